@@ -34,7 +34,11 @@ run: $(STAMP)
 	$(VENV)/bin/amqtt-durable broker -c $(CONFIG)
 
 # The tests run in TEST_WORKERS processes (pytest-xdist), each test where a worker is free; each
-# worker that runs a Spark test starts its own SparkSession (a JVM). free_port gives each worker its
+# worker that runs a Spark test starts its own SparkSession (a JVM): the Spark tests come first in the
+# collection (tests/conftest.py), so worksteal leaves them with the first worker (while they take less
+# than a worker's share of the run), which starts one JVM for them all (test_pipeline_audit.py alone:
+# 209 s of test time in one worker at load 6-8, 495 s split over two at load 8-12, each worker starting
+# a JVM, warming it up and running the module's shared audit). free_port gives each worker its
 # own block of ports outside the kernel's ephemeral range (plugin/amqtt_durable/process.py), so
 # brokers of three workers never race each other or an outgoing connection for a port.
 # PYTHONDONTWRITEBYTECODE is emptied (bytecode caching on) for the tests: the suite starts every broker,

@@ -58,12 +58,21 @@ SPARK_TIMEOUT = 300
 session's JVM, which passed the suite's 120 s on a machine at load 4-7 and failed that worker's other Spark tests."""
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (by fixture scope), which would undo it
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests using the session-wide ``spark`` fixture get SPARK_TIMEOUT unless they set their own
-    (pytest-timeout counts a fixture's setup in the first test that uses it)."""
-    for item in items:
-        if "spark" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
+    (pytest-timeout counts a fixture's setup in the first test that uses it), and run first, in the order
+    collected: xdist's worksteal hands each worker a contiguous share of the collection and the others
+    take from the end of a queue, so the Spark tests stay with the first worker, which starts one JVM
+    for all of them instead of one in each worker (a start and warm-up of seconds of CPU each), and
+    none of them, or the module-scoped audit they share, starts late in a run's tail."""
+    uses_spark = ["spark" in getattr(item, "fixturenames", ()) for item in items]
+    for item, spark in zip(items, uses_spark, strict=True):
+        if spark and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SPARK_TIMEOUT))
+    items[:] = [item for item, spark in zip(items, uses_spark, strict=True) if spark] + [
+        item for item, spark in zip(items, uses_spark, strict=True) if not spark
+    ]
 
 
 class Broker(BrokerProcess):
@@ -448,6 +457,19 @@ def spark() -> Iterator[Any]:
     session.conf.set("spark.sql.shuffle.partitions", "1")
     yield session
     session.stop()
+
+
+def readme_example(heading: str, port: int, folder: Path) -> Path:
+    """The README's first python block after `heading`, written to a script in `folder` as a user would run it
+    against our broker: only its documented address "127.0.0.1", 1883 becomes the broker's port."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index(heading) :]
+    code = section[section.index("```python\n") + len("```python\n") :]
+    code = code[: code.index("```")]
+    assert '"127.0.0.1", 1883' in code, f"the example after {heading!r} no longer connects to 127.0.0.1:1883"
+    script = folder / "readme_example.py"
+    script.write_text(code.replace('"127.0.0.1", 1883', f'"127.0.0.1", {port}'), encoding="utf-8")
+    return script
 
 
 def refused(reply: dict[str, Any]) -> tuple[Any, Any, Any]:

@@ -23,7 +23,7 @@ def signal_fleet_when(tmp_path: Path, args: list[str], ready: Callable[[Path], b
     with (tmp_path / "harness.err").open("wb") as err:
         harness = subprocess.Popen(
             [sys.executable, "-m", "durable_fleet.console", "fleet", *args, "--out", str(out)],
-            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err,
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=as_from_a_terminal,  # noqa: PLW1509 - no lock taken
         )  # fmt: skip
     try:
         deadline = time.monotonic() + 6 * WAIT
@@ -38,6 +38,16 @@ def signal_fleet_when(tmp_path: Path, args: list[str], ready: Callable[[Path], b
             harness.wait(WAIT)
         left = kill_left(out)  # also when the test failed: a broker it SIGSTOPped would stay for ever
     assert left == [], f"processes the harness started outlived it: {left}"
+
+
+def as_from_a_terminal() -> None:
+    """A preexec_fn: the harness gets Ctrl-C's SIGINT as one started from a terminal does. A test process may
+    ignore SIGINT (a suite started in the background of a script, ``cmd &``, as CI runs may be: the shell
+    ignores it in the whole tree), and a harness that inherits that ignoring keeps it, by design
+    (test_child_process): its Ctrl-C tests then waited out their 60 s on every xdist worker that had not run a
+    Spark test first (SparkContext installs a SIGINT handler, which the exec of a child resets to the
+    default)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def kill_left(folder: Path) -> list[bytes]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from raw_mqtt_helpers import raw_connect, read_packet
 
-from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, readme_example
 from durable_client import AsyncDurableClient, DurableClient, Event, Marker, WrongTypeError
 
 pytestmark = pytest.mark.timeout(90)
@@ -308,13 +308,7 @@ def test_the_readme_asyncio_example_prints_each_reading_as_it_comes(
     "replayed" if event.replayed else "live")`) runs as written: each reading published to
     sensors/+/temperature is printed once, in order; its marks live under ./state/dashboard-2/."""
     broker = broker_factory()
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("For asyncio code") :]
-    code = section[section.index("```python\n") + len("```python\n") :]
-    code = code[: code.index("```")]
-    assert '"127.0.0.1", 1883' in code
-    script = tmp_path / "readme_async.py"
-    script.write_text(code.replace('"127.0.0.1", 1883', f'"127.0.0.1", {broker.port}'))
+    script = readme_example("For asyncio code", broker.port, tmp_path)
     publisher = clients(broker.port, "readme-async-pub", clean_session=True)
     child = subprocess.Popen(
         [sys.executable, "-u", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path

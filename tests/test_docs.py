@@ -167,9 +167,10 @@ def restore_settings(spark: Any, before: dict[str, str]) -> None:
 
 @pytest.mark.slow  # Spark (the session's): a streaming query, seconds
 # The suite's 120 s bounds this test's own work (the call), as for every other Spark test. By default it
-# would also cover the fixtures' setup, and this test, the suite's first to use the session-wide `spark`
-# fixture, pays the start of its JVM there: 8-16 s in the suite's runs, 48 s to over 120 s on 2 cores with a
-# load of 6-10, which used up the budget before or while the query ran (nothing here waits on a fixed time).
+# would also cover the fixtures' setup, and this test, when the first of its run to use the session-wide
+# `spark` fixture (a run of this file), pays the start of its JVM there: 8-16 s in the suite's runs, 48 s to
+# over 120 s on 2 cores with a load of 6-10, which used up the budget before or while the query ran (nothing
+# here waits on a fixed time).
 @pytest.mark.timeout(120, func_only=True)
 def test_the_pipeline_page_streaming_example_runs(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], spark: Any, tmp_path: Path

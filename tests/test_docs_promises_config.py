@@ -70,6 +70,7 @@ EDGES: list[tuple[dict[str, Any], dict[str, Any], str]] = [
     ({"stream_window": 1000}, {"stream_window": 1001}, "stream_window"),
     ({"stream_ack_timeout": 0.001}, {"stream_ack_timeout": 0}, "stream_ack_timeout"),
     ({"connect_timeout": 0.001}, {"connect_timeout": 0}, "connect_timeout"),
+    ({"connection_end_wait": 0.001}, {"connection_end_wait": 0}, "connection_end_wait"),
     ({"max_packet_size": 1024}, {"max_packet_size": 1023}, "max_packet_size"),
     ({"max_packet_size": 268_435_455}, {"max_packet_size": 268_435_456}, "max_packet_size"),
     ({"max_bytes": 0}, {"max_bytes": -1}, "max_bytes"),
@@ -120,6 +121,7 @@ def test_each_key_accepts_its_documented_edge_and_refuses_one_step_past_it(
         ({"batch_delay_ms": math.inf}, "batch_delay_ms"),  # "finite number"
         ({"session_expiry": math.nan}, "session_expiry"),
         ({"connect_timeout": -math.inf}, "connect_timeout"),
+        ({"connection_end_wait": math.inf}, "connection_end_wait"),
         ({"streams": [{"filter": "$SYS/#"}]}, "streams[0].filter"),  # "outside $ and _durable/"
         ({"streams": [{"filter": "_durable/x"}]}, "streams[0].filter"),
         ({"streams": [{"filter": "a/#/b"}]}, "streams[0].filter"),  # "a valid filter"
@@ -476,6 +478,7 @@ def test_broker_yaml_comment_defaults_are_the_code_s() -> None:
         "stream_window": r"per topic before the client's ack \(default (\d+),",
         "stream_ack_timeout": r"sent again \(default (\d+)\)",
         "connect_timeout": r"before it is closed \(default (\d+)\)",
+        "connection_end_wait": r"handed over \(default (\d+)\)",
         "max_packet_size": r"\(default (\d+) = 1 MB, at most 268435455\)",
         "max_subscriptions_per_client": r"durable or clean \(default (\d+);",
         "max_subscription_bytes_per_client": r"summed \(default (\d+) = 1 MiB;",

@@ -72,6 +72,7 @@ BAD_VALUES: dict[str, Any] = {
     "stream_ack_timeout": 0,
     "session_takeover": "anyone",
     "connect_timeout": -1,
+    "connection_end_wait": 0,
     "max_packet_size": 1023,
     "max_bytes": -1,
     "max_bytes_disconnected": True,

@@ -29,7 +29,7 @@ from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
 from test_scale import RawClient
 
 from amqtt_durable.inspect_store import summarize
-from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, readme_example
 from durable_client.protocol import (
     CONTROL_TOPIC,
     FLAG_REDELIVERED,
@@ -40,8 +40,6 @@ from durable_client.protocol import (
     STREAM_TOPIC_PREFIX,
     decode_frame,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------ protocol.md
 
@@ -358,13 +356,7 @@ def test_the_readme_asyncio_example_runs_and_prints_a_replayed_reading(
     """README.md, The SDK: the `AsyncDurableClient` block, run as written (only the port changed):
     a reading queued before its `ready` (here a retained one, queued with the subscription) is
     printed as replayed; the loop then waits for live readings until it is stopped."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("For asyncio code") :]
-    code = section[section.index("```python\n") + len("```python\n") :]
-    code = code[: code.index("```")]
-    assert '"127.0.0.1", 1883' in code
-    script = tmp_path / "readme_async.py"
-    script.write_text(code.replace('"127.0.0.1", 1883', f'"127.0.0.1", {broker.port}'))
+    script = readme_example("For asyncio code", broker.port, tmp_path)
     clients(broker.port, "pub", clean_session=True).publish("sensors/7/temperature", [b"21.5"], retain=True)
     child = subprocess.Popen(
         [sys.executable, "-u", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path

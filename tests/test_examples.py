@@ -14,7 +14,7 @@ import pytest
 
 from amqtt_durable.cli import PLUGIN_PATH, load_broker_config, plugin_section
 from amqtt_durable.config import DurableConfig
-from conftest import WAIT, Broker, Client, free_port, payloads, run_cli
+from conftest import WAIT, Broker, Client, free_port, payloads, readme_example, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 OFFLINE_DEVICE = ROOT / "examples" / "offline_device.py"
@@ -185,13 +185,8 @@ def test_sdk_examples_exit_1_without_a_broker(script: Path) -> None:
 
 def test_the_readme_sdk_example_runs(broker_factory: Callable[..., Broker], tmp_path: Path) -> None:
     broker = broker_factory()
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## The SDK") :]
-    code = section[section.index("```python\n") + len("```python\n") :]
-    code = code[: code.index("```")]
-    assert '"127.0.0.1", 1883' in code and 'state_dir="./state"' in code
-    script = tmp_path / "readme_sdk.py"
-    script.write_text(code.replace('"127.0.0.1", 1883', f'"127.0.0.1", {broker.port}'))
+    script = readme_example("## The SDK", broker.port, tmp_path)
+    assert 'state_dir="./state"' in script.read_text(encoding="utf-8")
     result = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=4 * WAIT, check=False, cwd=tmp_path
     )

@@ -464,6 +464,7 @@ def test_max_keepalive_refuses_keepalive_0_and_above_it_with_connack_2(
 def test_keepalive_0_is_accepted_by_default(broker_factory: Callable[..., Broker]) -> None:
     broker = broker_factory()
     assert connack_of(broker.port, "none", 0) == b"\x20\x02\x00\x00"
+    assert connack_of(broker.port, "longest", 65535) == b"\x20\x02\x00\x00"
 
 
 def test_an_sdk_end_session_frees_a_slot_and_a_new_sdk_session_past_the_limit_fails_connect(

@@ -50,6 +50,20 @@ def test_spark_tests_have_room_for_the_jvm_start(request: pytest.FixtureRequest)
         assert marker.kwargs.get("func_only") or marker.args[0] >= SPARK_TIMEOUT, item.nodeid
 
 
+def test_spark_tests_come_first_so_one_worker_starts_a_jvm_for_them(request: pytest.FixtureRequest) -> None:
+    """conftest.pytest_collection_modifyitems: every collected test using the ``spark`` fixture comes before every
+    other, in the order collected (xdist's worksteal then leaves them with the worker the collection's start went
+    to)."""
+    items = request.session.items
+    uses_spark = ["spark" in getattr(item, "fixturenames", ()) for item in items]
+    if not any(uses_spark):
+        pytest.skip("no test using the spark fixture is selected")
+    first_other = uses_spark.index(False) if False in uses_spark else len(items)
+    assert all(uses_spark[:first_other]) and not any(uses_spark[first_other:]), [
+        item.nodeid for item, spark in zip(items[first_other:], uses_spark[first_other:], strict=True) if spark
+    ]
+
+
 def streams(max_count: int = 100_000) -> list[dict[str, Any]]:
     return [{"filter": FILTER, "max_count": max_count}]
 

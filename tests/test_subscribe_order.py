@@ -284,7 +284,7 @@ def test_take_over_of_a_stuck_connection_with_a_waiting_subscribe_is_answered_wi
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], new_clean: bool
 ) -> None:
     """The older connection is stuck (``stuck_on_big_retained_messages``) with one more SUBSCRIBE
-    queued behind: the take-over's CONNACK comes at most CHANGES_GRACE (5 s) later, not 5 s for the
+    queued behind: the take-over's CONNACK comes at most connection_end_wait (5 s) later, not 5 s for the
     changes then CLOSE_GRACE more for the full socket (10 s: the newer connection's connect_timeout
     closed it, a clean one got no CONNACK). A CONNECT whose checks passed is not closed at a
     connect_timeout shorter than that wait (2 s here: a clean one was closed with no CONNACK)."""
@@ -418,19 +418,23 @@ def test_broker_stops_cleanly_with_retained_sends_stuck_on_a_client_that_reads_n
 
 
 def test_changes_still_waiting_when_the_grace_runs_out_are_dropped_with_a_warning(
-    broker: Broker, clients: Callable[..., Client]
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
     """A clean session's loop is stuck sending the retained messages of its first SUBSCRIBE (the
-    client reads nothing of its 10 MB: the sockets' buffers are full); four more changes and a DISCONNECT follow. 5 s
-    after the DISCONNECT the WARNING counts the four dropped (the first, under way, completes) and
-    none of them is applied after: once the client reads, it gets the first's SUBACK and retained
-    messages, then the close (amqtt's loop applied one more after the close, uncounted)."""
+    client reads nothing of its 10 MB: the sockets' buffers are full); four more changes and a DISCONNECT follow.
+    ``connection_end_wait`` (5 s; 1 s here) after the DISCONNECT the WARNING counts the four dropped (the first,
+    under way, completes) and none of them is applied after: once the client reads, it gets the first's SUBACK
+    and retained messages, then the close (amqtt's loop applied one more after the close, uncounted)."""
+    broker = broker_factory(connection_end_wait=1)
     publisher = clients(broker.port, "big-pub", clean_session=True)
     with stuck_on_big_retained_messages(broker.port, "grace-dev", publisher) as sock:
         later = [subscribe("a/#", 2), subscribe("b/#", 3), unsubscribe("a/#", 4), subscribe("c/#", 5)]
+        started = time.monotonic()
         sock.sendall(b"".join(packet for packet, _ in later) + DISCONNECT)
         warning = "grace-dev: 4 SUBSCRIBE/UNSUBSCRIBE read before the connection ended not applied: dropped"
         assert broker.wait_until(lambda: warning in broker.log(), WAIT), broker.log()[-3000:]
+        took = time.monotonic() - started
+        assert 0.8 < took < 4.0, f"dropped {took:.2f} s after the DISCONNECT (connection_end_wait: 1 s)"
         got = []
         while not closed_at_packet(sock, got):  # bounded: the broker closes after the retained messages
             assert len(got) <= 60, got

@@ -27,6 +27,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from durable_client import DurableClient, DurableClientError, Event
 from durable_client.delivery_log import DeliveryLog
+from durable_protocol.jsontext import json_object
 
 from .model import DeviceKind
 
@@ -94,7 +95,7 @@ class WorkerSpec:
 
     @staticmethod
     def load(path: Path) -> WorkerSpec:
-        raw: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        raw = json_object(path.read_bytes())
         devices = [DeviceSpec(**device) for device in raw.pop("devices")]
         publisher = raw.pop("publisher")
         return WorkerSpec(**raw, devices=devices, publisher=PublisherSpec(**publisher) if publisher else None)
@@ -337,13 +338,22 @@ def _die(args: threading.ExceptHookArgs) -> None:
     os._exit(EXIT_THREAD_FAILED)
 
 
+def _load_spec(parser: argparse.ArgumentParser, path: Path) -> WorkerSpec:
+    """The spec at ``path``; one line naming the file and what is wrong (exit 2) for one the runner did not
+    write (hand-edited, truncated, another program's), not a traceback."""
+    try:
+        return WorkerSpec.load(path)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        parser.error(f"{path} is not a worker spec the fleet runner wrote: {type(error).__name__}: {error}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m durable_fleet.worker")
     parser.add_argument("spec", type=Path)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     threading.excepthook = _die  # a device or publisher thread that fails takes the process down: noticed
-    spec = WorkerSpec.load(args.spec)
+    spec = _load_spec(parser, args.spec)
     if spec.harness_gone():  # the harness died while this process started: build nothing (no client, no log)
         log.warning(
             "the harness (PID %d) that wrote %s is gone: stopping before any device starts", spec.harness_pid, args.spec

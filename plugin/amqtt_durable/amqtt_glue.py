@@ -236,10 +236,6 @@ PACKET_ID_0 = "its packet identifier is 0 (MQTT-2.3.1-1)"
 TOPIC_PAST_END = "PUBLISH refused: its topic length runs past the packet's end (MQTT-1.5.3)"
 CLOSE_GRACE = 5.0
 """Seconds a closed connection's unsent bytes (a refusing CONNACK) get before the socket is aborted."""
-CHANGES_GRACE = 5.0
-"""Seconds the end of a connection waits for the SUBSCRIBEs and UNSUBSCRIBEs it read before to be
-applied (see ``_one_queue_of_subscription_changes``); those still waiting then are dropped (WARNING)
-and none is applied after."""
 _BROKER_INTERNALS = (
     "_authenticate",
     "_client_connected",
@@ -528,7 +524,7 @@ def _install_connect_hooks() -> None:
         handler.durable_will = ConnectionWill.of(session)
         problem = _will_problem(session)
         if problem is not None:  # amqtt's caller logs it and closes the connection
-            raise MQTTError(f"CONNECT of {session.client_id!r} refused: will {problem}")
+            raise MQTTError(f"CONNECT of {session.client_id!r} refused: {problem}")
         plugin = next((p for p in plugins_manager._plugins if isinstance(p, DurableSessionsPlugin)), None)
         if plugin is not None and not plugin.engine.serving:
             log.debug("CONNECT of %r refused (CONNACK 3): %s", session.client_id, NOT_SERVING)  # routine on a backup
@@ -571,11 +567,12 @@ def _will_problem(session: Any) -> str | None:
     (MQTT-3.1.2-13/15); amqtt took all three."""
     if not session.will_flag:
         if session.will_qos or session.will_retain:
-            return "QoS or retain flag set without a will flag (MQTT-3.1.2-13, MQTT-3.1.2-15)"
+            return "will QoS or retain flag set without a will flag (MQTT-3.1.2-13, MQTT-3.1.2-15)"
         return None
     if session.will_qos not in (0, 1, 2):
-        return f"QoS {session.will_qos} (MQTT-3.1.2-14)"
-    return publish_topic_problem(session.will_topic or "")
+        return f"will QoS {session.will_qos} (MQTT-3.1.2-14)"
+    problem = publish_topic_problem(session.will_topic or "")
+    return None if problem is None else f"its will topic: {problem}"
 
 
 async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any) -> bool:
@@ -1287,7 +1284,8 @@ class HandlerTransport:
         nothing (a clean session's retained messages), and the reader, which stops it after its
         next read, waits for bytes the client may never send: the connection stayed open, its will
         unpublished, until the client's keep-alive ran out. ``stop()`` closes it within its bound
-        (the changes read before, then CLOSE_GRACE for the unsent bytes)."""
+        (the changes read before and the unsent bytes: the longer of CLOSE_GRACE and
+        ``connection_end_wait`` from its start)."""
         await end_connection(self._handler)
         await self._handler.stop()
 
@@ -2558,10 +2556,12 @@ def _wrap_handler(
     handler.handle_pubrel = _pubrel_handler(engine, handler, session, awaiting)
     # The changes' queue first: _keep_the_disconnect's wait_disconnect then answers once the changes
     # are applied, so a DISCONNECT read meanwhile (during a take-over's wait) discards the will.
-    _one_queue_of_subscription_changes(handler)
+    _one_queue_of_subscription_changes(handler, engine.config.connection_end_wait)
     _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
-    handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
+    handler.stop = _stop_waiting_for_a_reader_that_may_never_run(
+        handler, handler.stop, engine.config.connection_end_wait
+    )
     handler._retry_deliveries = _retry_without_waiting_for_pubrel(handler)
 
 
@@ -2765,7 +2765,7 @@ def _keep_the_disconnect(handler: Any) -> None:
 
 
 def _stop_waiting_for_a_reader_that_may_never_run(
-    handler: Any, original: Callable[[], Awaitable[None]]
+    handler: Any, original: Callable[[], Awaitable[None]], end_wait: float
 ) -> Callable[[], Awaitable[None]]:
     """amqtt's ``stop()`` cancels the connection's reader task, then waits for ``_reader_stopped``,
     which the reader sets as it ends. A task cancelled before its first step never runs its body,
@@ -2777,14 +2777,16 @@ def _stop_waiting_for_a_reader_that_may_never_run(
 
     Its ``writer.close()`` then waits for the unsent bytes to drain: for a client that does not
     read (its socket full), for ever, and the connection kept its listener slot, its handler and
-    every unsent byte. A TCP connection still open CLOSE_GRACE after ``stop()`` began is aborted
-    (``close_socket``'s bound), which ends that wait; a websocket one too (``_abort``): its close
-    waited for the closing handshake as well (websockets' close_timeout, 10 s more). This wraps the ``stop()`` of
-    ``_one_queue_of_subscription_changes``, which first waits up to CHANGES_GRACE for the
-    connection's SUBSCRIBEs and UNSUBSCRIBEs to be applied: the abort's CLOSE_GRACE counts from
-    before that wait, one bound for both (a take-over of a connection whose client reads nothing
-    and whose changes wait behind a SUBSCRIBE it cannot complete was CONNACKed 10 s later, when the
-    newer connection's ``connect_timeout`` had closed it).
+    every unsent byte. A TCP connection still open the longer of CLOSE_GRACE and ``end_wait``
+    (``connection_end_wait``) after ``stop()`` began is aborted, which ends that wait; a websocket
+    one too (``_abort``): its close waited for the closing handshake as well (websockets'
+    close_timeout, 10 s more). This wraps the ``stop()`` of ``_one_queue_of_subscription_changes``,
+    which first waits up to ``end_wait`` for the connection's SUBSCRIBEs and UNSUBSCRIBEs to be
+    applied: the abort counts from before that wait, one bound for both (a take-over of a
+    connection whose client reads nothing and whose changes wait behind a SUBSCRIBE it cannot
+    complete was CONNACKed 10 s later, when the newer connection's ``connect_timeout`` had closed
+    it), never shorter than that wait (at CLOSE_GRACE alone, a ``connection_end_wait`` of 12 s
+    aborted a closed socket at 5 s, its changes still waiting: their SUBACKs were never written).
 
     amqtt's take-over of a client id whose Session it keeps (a durable CONNECT of a connected client
     id, MQTT-3.1.4-2) stops the old connection in the new CONNECT's task before its CONNACK
@@ -2809,10 +2811,11 @@ def _stop_waiting_for_a_reader_that_may_never_run(
             connecting.durable_published.follow(handler.durable_published, until_released=_end_handled(handler))
             await handler.durable_let_go()
         abort = None
+        grace = max(CLOSE_GRACE, end_wait)
         if isinstance(writer, StreamWriterAdapter):
-            abort = asyncio.get_running_loop().call_later(CLOSE_GRACE, writer._writer.transport.abort)
+            abort = asyncio.get_running_loop().call_later(grace, writer._writer.transport.abort)
         elif writer is not None:  # a websocket: amqtt's close() waits for the closing handshake too
-            abort = asyncio.get_running_loop().call_later(CLOSE_GRACE, _abort, writer)
+            abort = asyncio.get_running_loop().call_later(grace, _abort, writer)
         try:
             await original()
         finally:
@@ -2823,22 +2826,23 @@ def _stop_waiting_for_a_reader_that_may_never_run(
 
 
 class EndDeadline:
-    """The one deadline of a connection's end: CHANGES_GRACE from its first wait, for all of them. A
+    """The one deadline of a connection's end: ``connection_end_wait`` from its first wait, for all of them. A
     take-over waits twice (``let_go_once_applied``, then ``stop()``), and each wait ran its own
-    CHANGES_GRACE: with the connection's message loop stuck (a topic plugin's slow check of what
+    ``connection_end_wait``: with the connection's message loop stuck (a topic plugin's slow check of what
     the client published), the new CONNACK came after 10 s."""
 
-    def __init__(self) -> None:
+    def __init__(self, wait: float) -> None:
+        self._wait = wait
         self._at: float | None = None
 
     def timeout(self) -> asyncio.Timeout:
         """A timeout at the end's deadline, set by the first call."""
         if self._at is None:
-            self._at = asyncio.get_running_loop().time() + CHANGES_GRACE
+            self._at = asyncio.get_running_loop().time() + self._wait
         return asyncio.timeout_at(self._at)
 
 
-def _one_queue_of_subscription_changes(handler: Any) -> None:
+def _one_queue_of_subscription_changes(handler: Any, end_wait: float) -> None:
     """A connection's SUBSCRIBEs and UNSUBSCRIBEs are applied in the order they arrived, their
     SUBACKs and UNSUBACKs sent in that order (MQTT 3.1.1 section 4.6, 3.10.4), and none the
     connection's reader has handed over is lost at its end. amqtt 0.12.1 queued the two kinds apart
@@ -2855,7 +2859,7 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     violation while amqtt's applied it), the loop's subscription waiter takes them one at a
     time (``AmqttHooks.handle_subscription`` passes an UNSUBSCRIBE on) and its unsubscription waiter
     waits until the loop cancels it. The end waits until every change has been applied (at most
-    ``CHANGES_GRACE`` from its first wait, one deadline for all its waits): ``wait_disconnect``
+    ``connection_end_wait`` from its first wait, one deadline for all its waits): ``wait_disconnect``
     returns the end to the loop only then, and ``stop()`` (the reader's at a DISCONNECT, EOF or
     reset, a take-over's, any but the loop's own: the loop cannot apply while it waits there) stops
     the connection only then (so a take-over's CONNACK waits for the older connection's changes,
@@ -2876,7 +2880,7 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     changes: SubscriptionChanges[Subscription | UnSubscription] = SubscriptionChanges()
     handler.durable_changes = changes
     handler.durable_loop_task = None
-    published = PublishedMessages(handler)
+    published = PublishedMessages(handler, end_wait)
     handler.durable_published = published
     original_wait = handler.wait_disconnect
     original_stop = handler.stop
@@ -2892,7 +2896,7 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     async def no_unsubscription() -> None:
         await asyncio.get_running_loop().create_future()  # every UNSUBSCRIBE comes as a "subscription"
 
-    end = EndDeadline()
+    end = EndDeadline(end_wait)
 
     async def applied(*, drain: bool = True) -> None:
         try:
@@ -3030,8 +3034,9 @@ class PublishedMessages:
     client sends its PUBREL again on the new connection): an old connection whose client reads
     nothing, its socket full, held the new CONNACK for the whole close grace."""
 
-    def __init__(self, handler: Any) -> None:
+    def __init__(self, handler: Any, bound: float) -> None:
         self._handler = handler
+        self._bound_seconds = bound
         self._taken = asyncio.Event()
         self.loop_ended = False
         self._erasing: set[asyncio.Future[None]] = set()
@@ -3120,10 +3125,10 @@ class PublishedMessages:
         self._all_handed(self._older if self.follows() else None)
 
     def start_bound(self) -> float:
-        """The connection has ended: its bound, CHANGES_GRACE from the first call, starts (amqtt's
+        """The connection has ended: its bound, ``connection_end_wait`` from the first call, starts (amqtt's
         handling of its end, ``AmqttHooks.handle_disconnect``, or, with none, its message loop's end,
         ``hand_over_what_is_left``). amqtt's loop handles the end only once ``wait_disconnect`` has
-        returned (after the end's wait, ``applied``: up to CHANGES_GRACE) and the pass it is in is
+        returned (after the end's wait, ``applied``: up to ``connection_end_wait``) and the pass it is in is
         done (a topic plugin's check of a message or of a SUBSCRIBE): the bound may start that much
         later than the end. Returns it: what the connection published waits for the
         connection it took over until then, and so does a connection made after this one ended
@@ -3131,7 +3136,7 @@ class PublishedMessages:
         plugin's slow check): the bound runs meanwhile."""
         loop = asyncio.get_running_loop()
         if self._deadline is None:
-            self._deadline = loop.time() + CHANGES_GRACE
+            self._deadline = loop.time() + self._bound_seconds
             if not self._released.is_set():
                 self._bound = loop.call_at(self._deadline, self._released.set)
         return self._deadline
@@ -3272,7 +3277,7 @@ class PublishedMessages:
         """Returns once the PUBRELs read are handled (``release_in_turn``) and those waiting for their
         PUBLISH's handling are done, the loop has taken every message waiting in the queue (or has
         ended), and the PUBCOMPs waiting for a write are written (and, with ``drain``, those written
-        since this began have left the buffer). Unbounded: the caller bounds it (``CHANGES_GRACE``)."""
+        since this began have left the buffer). Unbounded: the caller bounds it (``connection_end_wait``)."""
         self._ending = True
         self._wrote_at_end = self._handler.durable_transport.unsent  # a PUBCOMP written in this loop pass
         self.release_all_read()
@@ -3300,7 +3305,7 @@ async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> Non
     hands over after this goes to the broker directly (``PublishedMessages.put``).
 
     A connection waiting for the older one's (its loop stuck on a topic plugin's check) waits in a
-    task of its own, until its bound (``PublishedMessages.start_bound``, CHANGES_GRACE from its
+    task of its own, until its bound (``PublishedMessages.start_bound``, ``connection_end_wait`` from its
     end) at most: waiting here held the connection's task, which frees
     its places (``max_connections``, ``max_connections_per_address``) as it ends, for as long as that
     check took (for ever: every connection of a take-over chain kept its places). Then its messages

@@ -110,6 +110,14 @@ class DurableConfig:
     """Seconds a new connection has to send its whole CONNECT; then it is closed (a silent or
     half-sent connection would otherwise hold a descriptor for ever)."""
 
+    connection_end_wait: float = 5.0
+    """Seconds the end of a connection (DISCONNECT, close, take-over) waits for the SUBSCRIBEs,
+    UNSUBSCRIBEs and messages it read before to be applied and handed over (changes still waiting
+    then are dropped, with a WARNING, none applied after; no message is dropped); also how long,
+    after its own end is handled, what a connection that took over published waits for the older
+    one's (after that one's end, for a connection made once an earlier one had ended). Bounds a
+    take-over's CONNACK when the older connection's message loop is stuck (a topic plugin's slow check)."""
+
     max_packet_size: int = 1_048_576
     """Largest packet a client may send, in bytes of remaining length (EMQX's default, 1 MB; at
     most MQTT's 268435455). A larger one closes the connection before its body is read."""
@@ -366,7 +374,7 @@ def _check_byte_limits(config: DurableConfig) -> None:
 
 
 def _check_durations(config: DurableConfig) -> None:
-    for key in ("stream_ack_timeout", "connect_timeout"):
+    for key in ("stream_ack_timeout", "connect_timeout", "connection_end_wait"):
         value = getattr(config, key)
         if value <= 0 or not math.isfinite(value):
             raise ConfigError(key, f"must be a finite number above 0, got {value!r}")

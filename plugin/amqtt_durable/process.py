@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -118,23 +119,27 @@ def bindable(port: int, host: str = HOST) -> bool:
 
 
 class PortCursor:
-    """Hands out the ports of ``block`` in turn, from ``start`` (an index into it), wrapping round
-    at its end: a port comes back only after every other port of the block was handed out, so the
-    port of a broker that stopped (and may start again) is not given to a new one. A port that is
-    not ``bindable`` is passed over; RuntimeError when none of the block is. Thread-safe."""
+    """Hands out the ports of ``block`` in turn, from ``start`` (an index into it), ``stride`` indexes
+    apart, wrapping round at its end: ``stride`` shares no factor with the block's length, so a port
+    comes back only after every other port of the block was handed out, and the port of a broker
+    that stopped (and may start again) is not given to a new one. A port that is not ``bindable``
+    is passed over; RuntimeError when none of the block is. Thread-safe."""
 
-    def __init__(self, block: range, start: int = 0) -> None:
+    def __init__(self, block: range, start: int = 0, stride: int = 1) -> None:
         if not block:
             raise ValueError("a PortCursor needs at least one port")
+        if math.gcd(stride, len(block)) != 1:
+            raise ValueError(f"a stride of {stride} would skip ports of a block of {len(block)}")
         self.block = block
         self._next = start % len(block)
+        self._stride = stride % len(block) or 1
         self._lock = threading.Lock()
 
     def take(self, host: str = HOST) -> int:
         with self._lock:
             for _ in range(len(self.block)):  # each port of the block at most once
                 port = self.block[self._next]
-                self._next = (self._next + 1) % len(self.block)
+                self._next = (self._next + self._stride) % len(self.block)
                 if bindable(port, host):
                     return port
         raise RuntimeError(
@@ -142,6 +147,12 @@ class PortCursor:
             " every one is bound or held by a connection in TIME_WAIT; stop what holds them, or give"
             f" this process a larger block ({PORT_SLICE_ENV})"
         )
+
+
+def _random_stride(length: int) -> int:
+    """A stride that visits every index of ``length`` before any again (no factor shared with it)."""
+    first = random.randrange(length)
+    return next(stride for stride in range(first, first + length) if math.gcd(stride, length) == 1)
 
 
 _cursors: dict[range, PortCursor] = {}
@@ -152,14 +163,16 @@ def free_port(host: str = HOST) -> int:
     """A TCP port that ``host`` (127.0.0.1) can bind now, for a child process to listen on: from
     ``port_pool`` (outside the kernel's ephemeral range, so no outgoing connection takes it
     meanwhile), in this process's block of it (``AMQTT_DURABLE_PORT_SLICE``), handed out in turn by
-    one ``PortCursor`` per block. The cursor starts at a random port of the block, so two processes
-    drawing from one block (a test and a child it started, or two test runs side by side) are
-    unlikely to meet."""
+    one ``PortCursor`` per block. The cursor starts at a random port of the block and steps a random
+    stride, so two processes drawing from one block (a test and a child it started, or two test
+    runs side by side) are unlikely to meet, and two that meet once part at the next port: with one
+    stride for all, they went on side by side, each taking the port the other had just handed to a
+    broker still starting (two runs of the suite at once: "Address already in use")."""
     block = port_block(port_pool(ephemeral_ports()), port_slice())
     with _cursors_lock:
         cursor = _cursors.get(block)
         if cursor is None:
-            cursor = _cursors[block] = PortCursor(block, random.randrange(len(block)))
+            cursor = _cursors[block] = PortCursor(block, random.randrange(len(block)), _random_stride(len(block)))
     return cursor.take(host)
 
 

@@ -8,6 +8,7 @@ them, and the cursor that hands them out in turn."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import shutil
@@ -31,6 +32,7 @@ from amqtt_durable.process import (
     EtcdProcess,
     PortCursor,
     _parent_death_signal,
+    _random_stride,
     bindable,
     ephemeral_ports,
     free_port,
@@ -353,3 +355,30 @@ def test_a_port_a_closed_connection_holds_in_time_wait_is_passed_over() -> None:
     with socket.socket() as reuse:
         reuse.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         reuse.bind(("127.0.0.1", port))
+
+
+def test_a_cursor_of_any_stride_that_shares_no_factor_hands_out_every_port_before_one_again() -> None:
+    block = range(20000, 20012)
+    for stride in (1, 5, 7, 11):
+        cursor = PortCursor(block, start=3, stride=stride)
+        first_round = [cursor.take() for _ in range(len(block))]
+        assert sorted(first_round) == list(block), stride
+        assert [cursor.take() for _ in range(len(block))] == first_round, stride
+    with pytest.raises(ValueError, match="a stride of 4 would skip ports of a block of 12"):
+        PortCursor(block, stride=4)
+
+
+def test_two_cursors_that_meet_part_at_once() -> None:
+    """Two runs of the suite side by side, their cursors at the same port: with one stride they went on
+    together, each handing out the port the other had just given a broker still starting ("Address
+    already in use"); free_port's random strides part them at the next port."""
+    block = range(20000, 27500)
+    strides = {_random_stride(len(block)) for _ in range(20)}
+    assert len(strides) > 1 and all(math.gcd(stride, len(block)) == 1 for stride in strides)
+
+    def side_by_side(one: int, other: int) -> list[bool]:
+        ours, theirs = PortCursor(block, 100, one), PortCursor(block, 100, other)
+        return [ours.take() == theirs.take() for _ in range(200)]
+
+    assert all(side_by_side(1, 1)), "one stride for both: every port handed out twice at once"
+    assert side_by_side(1, 2003) == [True] + [False] * 199

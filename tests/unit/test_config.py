@@ -39,6 +39,7 @@ CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
     "stream_ack_timeout": (0.5, ["5", True, None], [0, -1]),
     "session_takeover": ("any-user", [5, None, True, ["owner-only"]], ["anyone", "ANY-USER", "owner_only", ""]),
     "connect_timeout": (0.5, ["10", True, None], [0, -1]),
+    "connection_end_wait": (0.5, ["5", True, None], [0, -1]),
     "max_packet_size": (268_435_455, [1.5, "1MB", True, None], [1023, 0, 268_435_456]),
     "max_bytes": (1_000_000, [1.5, "1MB", True, None], [-1]),
     "max_bytes_disconnected": (0, [2.5, "1", False, None], [-1]),
@@ -90,6 +91,7 @@ def test_defaults() -> None:
     assert config.metrics_interval == 10.0
     assert config.drop_log_interval == 10.0
     assert config.connect_timeout == 10.0
+    assert config.connection_end_wait == 5.0
     assert config.max_packet_size == 1_048_576
     assert config.max_subscriptions_per_client == 1000
     assert config.max_subscription_bytes_per_client == 1_048_576

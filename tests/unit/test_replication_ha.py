@@ -1165,16 +1165,17 @@ def test_an_operators_promote_whose_acquire_finds_the_lease_taken_since_it_looke
 @pytest.mark.parametrize(
     ("kind", "value", "said"),
     [
-        (int, "1", "'f' is not an integer: a string"),
-        (int, True, "'f' is not an integer: a boolean"),
+        (int, "1", "'f' is not an integer: a string \"1\""),
+        (int, True, "'f' is not an integer: a boolean true"),
         (str, 1, "'f' is not a string: a number 1"),
         (bool, 1, "'f' is not a boolean: a number 1"),
+        (bool, "\ud800\n", "'f' is not a boolean: a string \"\\ud800\\n\""),
         (list, ["a", 1], "'f' is not an array of strings: an array"),
     ],
 )
 def test_a_record_field_of_another_kind_is_named_in_jsons_words(kind: type, value: object, said: str) -> None:
     """A record from outside the process (etcd, a node's answer) is refused naming the field and what it
     asks for in JSON's words, as whoever wrote the record knows them (review 326: only the boolean was
-    checked)."""
-    with pytest.raises(ValueError, match="^" + re.escape(said)):
+    checked); a value is shown as JSON writes it, escaped (a boolean ``true``, not Python's ``True``)."""
+    with pytest.raises(ValueError, match="^" + re.escape(said) + "$"):
         record_field({"f": value}, "f", kind)

@@ -49,10 +49,10 @@ _KINDS = {int: "an integer", str: "a string", bool: "a boolean", list: "an array
 
 
 def _shown(value: object) -> str:
-    """``value`` as a record's error shows it: what it is in JSON's words, and a number's or text's first
-    characters."""
+    """``value`` as a record's error shows it: what it is in JSON's words, and a boolean's, number's or text's
+    first characters as JSON writes them (``true``, not Python's ``True``)."""
     kind = json_kind(value)
-    return f"{kind} {repr(value)[:40]}" if isinstance(value, int | float | str) else kind
+    return f"{kind} {json.dumps(value)[:40]}" if isinstance(value, int | float | str) else kind
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,8 @@ async def ask(
         detail = f"nothing answered within {ASK_TIMEOUT:g} s" if silent else str(exc)
         if isinstance(exc, asyncio.IncompleteReadError):
             detail = "the connection was closed without an answer"
+        elif type(exc) is FrameError:  # its own text is a backup's advice ("the backup reconnects ...")
+            detail = f"its answer is no replication frame: a {exc.what} does not decode ({exc.detail})"
         raise ReplicationError(
             f"replication address {address}: no answer to {kind.name} ({type(exc).__name__}: {detail}); "
             "is a broker with replication listening there (its replication.listen)?"
