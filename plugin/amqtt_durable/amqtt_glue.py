@@ -319,16 +319,9 @@ PAUSED = "reading from %s paused: %s%s"
 """Logged (INFO, at most once per ``drop_log_interval`` per connection) as FastReader waits."""
 UNACKED = "%s: no %s for the message of packet id %d came within 5 s of its write: not awaited any more%s"
 """Logged (WARNING, at most once per ``drop_log_interval`` per connection) as ``RetainedAcks`` gives up a
-wait, on amqtt's own reader loop."""
-UNACKED_READ = (
-    "%s: no %s for the message of packet id %d came within 5 s of its write, though the client received all"
-    " written to it and the reader has read all the client sent since: not awaited any more%s"
-)
-"""UNACKED on the plugin's reader (FastReader), whose waits end only once it caught up."""
+wait, on amqtt's own reader loop only (on FastReader's a wait ends with its ack or the connection)."""
 NO_ID = "%s: %d %s message(s) not sent (the first on %r): 65,535 messages are in flight to or from it%s"
 """Logged (WARNING, at most once per ``drop_log_interval`` per connection, with UNACKED): no packet id is free."""
-MAX_IN_FLIGHT = 65535
-"""Packet ids of a connection: amqtt's ``next_packet_id`` skips those of ``inflight_out`` and ``inflight_in``."""
 _SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
 """Packet types whose handling a connection's end waits for (FastReader.run): they need nothing more
 from the peer."""
@@ -1163,13 +1156,13 @@ WS_HIGH_WATER = 65_536
 """Bytes written to a websocket connection in one loop pass past which it counts as congested."""
 
 
-def _kernel_queue(transport: Any, request: int) -> int:
-    """Bytes in the kernel's send (TIOCOUTQ) or receive (FIONREAD) queue of the transport's socket."""
+def _kernel_send_queue(transport: Any) -> int:
+    """Bytes in the kernel's send queue (TIOCOUTQ) of the transport's socket."""
     sock = transport.get_extra_info("socket")
     queued = array.array("i", [0])
     if sock is not None:
         with contextlib.suppress(OSError, ValueError):  # closed, or a platform without the request
-            fcntl.ioctl(sock.fileno(), request, queued)
+            fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, queued)
     return queued[0]
 
 
@@ -1222,7 +1215,7 @@ class HandlerTransport:
         if not isinstance(writer, StreamWriterAdapter):
             return self._pending_bytes
         transport = writer._writer.transport
-        return self._pending_bytes + int(transport.get_write_buffer_size()) + _kernel_queue(transport, termios.TIOCOUTQ)
+        return self._pending_bytes + int(transport.get_write_buffer_size()) + _kernel_send_queue(transport)
 
     @property
     def congested(self) -> bool:
@@ -3867,40 +3860,53 @@ async def _send_acked(
     """One message to a clean session: a retained one for its SUBSCRIBE, written by the message loop
     itself (in order, before the next SUBACK), or a live one (``CleanSends``). Its acks are awaited
     as entries of the connection's ``RetainedAcks`` and the transport's ack table (``_retained_ack``),
-    not by amqtt's flow in a task (about 3 KB each, 5 s whether the ack could have been read or not:
-    behind a paused reader a live QoS 2 message got no PUBREL). Its packet id stays in the session's
-    ``inflight_out`` until the last ack, so amqtt's sends take another. False, unsent, when no
-    packet id is free: checked first, as amqtt's ``next_packet_id`` scans all 65,535 before it
-    raises (62 ms with the event loop held, per message). ``finished`` is called once, when its
-    wait ends (or QoS 0, once written). As amqtt's ``gather(return_exceptions=True)``: a send that
-    fails stops no other (amqtt logged why)."""
+    not by amqtt's flow in a task (about 3 KB each, given up 5 s after the write: behind a paused
+    reader, or from a client reading late, a QoS 2 message got no PUBREL). Its packet id, from the
+    table's O(1) ``PacketIds`` (amqtt's ``next_packet_id`` scanned up to all 65,535 per message,
+    with the event loop held), stays in the session's ``inflight_out`` until the last ack, so
+    amqtt's own sends take another. False, unsent, when no packet id is free. ``finished`` is
+    called once, when its wait ends (or unawaited: QoS 0, the connection's end, once written). As
+    amqtt's ``gather(return_exceptions=True)``: a send that fails stops no other (amqtt logged why)."""
     session = handler.session
     acks: RetainedAcks = handler.durable_retained_acks
-    if qos and len(session.inflight_out) + len(session.inflight_in) >= MAX_IN_FLIGHT:
-        if finished is not None:
-            finished()
-        return False
-    packet_id = session.next_packet_id if qos else 0  # 0: none, QoS 0
-    message = OutgoingApplicationMessage(packet_id or None, topic, qos, data, retain)
     kind: AckKind = "puback" if qos == 1 else "pubrec"
-    awaited = packet_id > 0 and acks.wait(packet_id, kind, finished)
-    if awaited:  # before the write: its ack may be read while the write drains
-        session.inflight_out[packet_id] = message
+    packet_id = None
+    if qos:
+        packet_id = acks.send(kind, retain, finished, _InFlight(session))
+        if packet_id is None:  # no id free, or the connection's end: not sent
+            if finished is not None:
+                finished()
+            return acks.stopped
+        # before the write: its ack may be read while the write drains
+        session.inflight_out[packet_id] = message = OutgoingApplicationMessage(packet_id, topic, qos, data, retain)
         handler.durable_transport.expect_ack(kind, packet_id, partial(_retained_ack, handler, session, packet_id))
+    else:
+        message = OutgoingApplicationMessage(None, topic, qos, data, retain)
     try:
         await handler._send_packet(message.build_publish_packet())
-        if awaited and acks.awaits(packet_id, kind):
-            acks.wait(packet_id, kind)  # its time runs from the write done, not from the wait for the lock
+        if packet_id is not None and acks.expires and acks.awaits(packet_id, kind):
+            acks.wait(packet_id, kind)  # amqtt's loop: its 5 s run from the write done, not the wait for the lock
     except Exception:
-        if awaited:
+        if packet_id is not None:
             _forget_retained(handler, session, packet_id, kind)
         task = asyncio.current_task()
         if task is not None and task.cancelling():  # amqtt turns a cancel into ProtocolHandlerError
             raise
     finally:
-        if not awaited and finished is not None:
+        if packet_id is None and finished is not None:
             finished()
     return True
+
+
+class _InFlight:
+    """The packet ids amqtt holds on a session (``PacketIds.take`` skips them), as its own
+    ``next_packet_id`` skips those of ``inflight_out`` and ``inflight_in``."""
+
+    def __init__(self, session: Any) -> None:
+        self._session = session
+
+    def __contains__(self, packet_id: object) -> bool:
+        return packet_id in self._session.inflight_out or packet_id in self._session.inflight_in
 
 
 def _retained_ack(handler: Any, session: Any, packet_id: int) -> None:
@@ -3911,15 +3917,14 @@ def _retained_ack(handler: Any, session: Any, packet_id: int) -> None:
         handler.durable_transport.expect_ack("pubcomp", packet_id, partial(_retained_ack, handler, session, packet_id))
         handler.durable_transport.write(encode_pubrel(packet_id))
         return
-    acks.done(packet_id)
     session.inflight_out.pop(packet_id, None)
+    acks.done(packet_id)
 
 
 def _retained_ack_expired(handler: Any, session: Any, packet_id: int, kind: AckKind) -> None:
-    """``RetainedAcks`` gave a wait up: ACK_TIMEOUT after the write, with the reader caught up."""
+    """``RetainedAcks`` gave a wait up, ACK_TIMEOUT after the write (amqtt's own loop only)."""
     _forget_retained(handler, session, packet_id, kind)
-    line = UNACKED_READ if handler.durable_retained_acks.watches_reader else UNACKED
-    _log_retained(handler, line, session.client_id, kind.upper(), packet_id)
+    _log_retained(handler, UNACKED, session.client_id, kind.upper(), packet_id)
 
 
 def _log_retained(handler: Any, line: str, *args: object) -> None:
@@ -3930,16 +3935,16 @@ def _log_retained(handler: Any, line: str, *args: object) -> None:
 
 
 def _stop_retained_acks(handler: Any) -> None:
-    """At the connection's end no retained message awaits its ack: their packet ids are freed."""
+    """At the connection's end no message awaits its ack: their packet ids are freed."""
     for packet_id, kind in handler.durable_retained_acks.stop():
         _forget_retained(handler, handler.session, packet_id, kind)
 
 
 def _forget_retained(handler: Any, session: Any, packet_id: int, kind: AckKind) -> None:
-    """A retained message's wait is over without its ack: its packet id is free again."""
-    handler.durable_retained_acks.done(packet_id)
+    """A message's wait is over without its ack: its packet id is free again."""
     handler.durable_transport.forget_ack(kind, packet_id)
     session.inflight_out.pop(packet_id, None)
+    handler.durable_retained_acks.done(packet_id)
 
 
 def _cancelled_by_the_end(client_id: str, task: asyncio.Task[None]) -> None:
@@ -3996,10 +4001,6 @@ class FastReader:
         """Half the bound the last pause passed (``_room``)."""
         self._handlers_done = 0
         """Handlers done so far: one done is progress for a paused connection (``_progress``)."""
-        self._waiting = False
-        """The read loop waits for bytes with none received unread (``_caught_up``)."""
-        self._read_to_the_end = False
-        """The read loop returned: nothing more is read, so no ack awaited can come (``_caught_up``)."""
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
         """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2 or 3, busy ACLs).
@@ -4125,7 +4126,7 @@ class FastReader:
         PUBACKs, behind the client's later SUBSCRIBEs, 4,300 pipelined got 12 SUBACKs in 60 s),
         and while the reader waits here it does not wait for their acks either
         (``RetainedAcks.reader_paused``; when it did, at ``MAX_RETAINED_ACKS``, 2,200 of 8,600
-        retained QoS 2 messages timed out), nor do their waits time out (``_caught_up``)."""
+        retained QoS 2 messages timed out); their waits do not time out (``never_expire``)."""
         congested = self._transport.congested
         bound = MAX_UNDER_WAY if congested else MAX_UNDER_WAY_READ
         tasks, changes = len(self._running), len(self._changes)
@@ -4241,9 +4242,7 @@ class FastReader:
         framing = PacketReader(self._max_packet_size)
         try:
             while True:
-                self._waiting = not stream._buffer  # type: ignore[attr-defined]
                 data = await _read_some(stream, keepalive)
-                self._waiting = False
                 if data is None:
                     log.info(SILENT, self._session.client_id)
                     return
@@ -4255,22 +4254,9 @@ class FastReader:
                 if self._handler.durable_ended:
                     return  # the server ended the connection: nothing read after is handled
         finally:
-            self._read_to_the_end = True
-
-    def _caught_up(self, stream: asyncio.StreamReader) -> bool:
-        """Its client received all written to it and it has read all its client sent (for
-        ``RetainedAcks``: an ack not read then was not sent): nothing in the transport's buffer or
-        the kernel's send queue (TIOCOUTQ: a slow reader of megabytes sends nothing meanwhile), and
-        waiting for bytes, none in the stream's buffer or the kernel's receive queue (FIONREAD); not
-        while it handles what it read, nor while it pauses (``_room``). Or it read to the end."""
-        if self._read_to_the_end:
-            return True
-        transport = stream._transport  # type: ignore[attr-defined]
-        if not self._waiting or stream._buffer or transport is None:  # type: ignore[attr-defined]
-            return False
-        if transport.get_write_buffer_size() or _kernel_queue(transport, termios.TIOCOUTQ):
-            return False
-        return _kernel_queue(transport, termios.FIONREAD) == 0
+            # No ack can come any more: the message loop does not wait for room (a client that
+            # shut its socket for writing still gets every SUBSCRIBE it sent answered).
+            self._retained_acks.reader_paused(True)
 
     async def run(self) -> None:
         handler = self._handler
@@ -4288,7 +4274,7 @@ class FastReader:
                     watch.stop()
             return
         stream = handler.reader._reader
-        self._retained_acks.caught_up = partial(self._caught_up, stream)
+        self._retained_acks.never_expire()
         # MQTT-3.1.2-24: silent for 1.5 keep-alive periods means gone (amqtt only logs it, which
         # would leave a half-open device's session "connected" forever, its queue stalled).
         keepalive = 1.5 * self._session.keep_alive if self._session.keep_alive > 0 else None

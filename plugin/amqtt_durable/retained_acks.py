@@ -1,68 +1,98 @@
 """The acks (PUBACK, PUBREC, PUBCOMP) a clean connection owes for the QoS 1/2 messages amqtt's
 side sends it (the retained messages its SUBSCRIBEs brought, and live ones), as a table of packet
-ids, not a task per message. amqtt's flow awaited each
-ack in a task of about 3 KB for 5 s and then gave the message up (a QoS 2 one got no PUBREL, so
-its client never delivered it); a client that pipelines its SUBSCRIBEs sends those acks behind
-the rest of them, which a reader paused by its bound on pipelined requests (or one behind on a
-busy machine) reads seconds later. Here a wait ends unacknowledged only once the reader has
-read all its client sent and the client received all written to it (``caught_up``), at least
-``timeout`` seconds after the write: the ack's absence then says the client did not send it.
-Pure logic; amqtt_glue.py feeds it."""
+ids, not amqtt's task of about 3 KB per message, which gave a message up 5 s after its write (a
+QoS 2 one then got no PUBREL, so its client never delivered it) though the ack could sit unread
+behind a reader paused by its bound on pipelined requests, or in a client that reads late. On the
+plugin's reader a wait ends only with its ack or the connection (MQTT 3.1.1 has no ack timeout);
+on amqtt's own loop 5 s after its write, as amqtt's did. Pure logic; amqtt_glue.py feeds it."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Container
 
 from .delivery import AckKind
 
 ACK_TIMEOUT = 5.0
-"""Seconds a client has to acknowledge a retained message (amqtt's own ack timeout)."""
-RECHECK = 0.5
-"""Seconds between two looks at whether the reader caught up, while a due wait waits for it."""
+"""Seconds a client has to acknowledge a message on amqtt's own loop (amqtt's ack timeout)."""
 MAX_RETAINED_ACKS = 4096
-"""Waits of one connection at which its message loop sends no more retained messages until half
-that are done, while its reader reads (``room``). Looked at once per SUBSCRIBE: 4,095 plus one
-SUBSCRIBE's matches may wait."""
+"""Retained waits of one connection at which its message loop sends no more retained messages
+until half that are done, while its reader reads (``room``). Looked at once per SUBSCRIBE: 4,095
+plus one SUBSCRIBE's matches may wait. Live waits do not count (``max_pending_clean`` bounds them)."""
+MAX_PACKET_ID = 65535
 
 
-def _always() -> bool:
-    return True
+class PacketIds:
+    """Free packet ids in O(1): those never given, then those given back, oldest first. amqtt's
+    ``next_packet_id`` scanned up to all 65,535 per message (18.6 ms near a full table, the event
+    loop held); an id amqtt holds itself (``taken``) goes to the back, looked at once per take."""
+
+    def __init__(self, most: int = MAX_PACKET_ID) -> None:
+        self._most = most
+        self._fresh = 1
+        """The lowest id never given."""
+        self._back: deque[int] = deque()
+        """Ids given back, or skipped as ``taken``."""
+
+    def take(self, taken: Container[int] = ()) -> int | None:
+        """A free id not in ``taken``, or None when none is. Ids never given go first, as amqtt's
+        cycle did: an id given back (a wait given up on amqtt's loop) is not the next one sent."""
+        while self._fresh <= self._most:  # bounded by most
+            packet_id = self._fresh
+            self._fresh += 1
+            if packet_id not in taken:
+                return packet_id
+            self._back.append(packet_id)
+        for _ in range(len(self._back)):  # each looked at once
+            packet_id = self._back.popleft()
+            if packet_id not in taken:
+                return packet_id
+            self._back.append(packet_id)
+        return None
+
+    def give_back(self, packet_id: int) -> None:
+        self._back.append(packet_id)
 
 
 class RetainedAcks:
-    """A connection's messages awaiting their acks: packet id -> (the ack awaited, its deadline),
-    in the order of their deadlines, one timer for the earliest. ``expired`` is called for a wait
-    that ends unacknowledged (the glue frees its packet id); a wait's ``finished``, once it ends
-    whichever way."""
+    """A connection's messages awaiting their acks: packet id -> (the ack awaited, its deadline,
+    retained or live), in the order of their deadlines. Their ids come from ``ids`` and go back to
+    it as their waits end. ``expired`` is called for a wait given up at its deadline (amqtt's own
+    loop only: ``never_expire``); a wait's ``finished``, once it ends whichever way."""
 
     def __init__(
         self,
         expired: Callable[[int, AckKind], None],
         timeout: float = ACK_TIMEOUT,
-        recheck: float = RECHECK,
         most: int = MAX_RETAINED_ACKS,
+        ids: PacketIds | None = None,
     ) -> None:
         self._expired = expired
-        self._timeout = timeout
-        self._recheck = recheck
+        self._timeout: float | None = timeout
         self._most = most
-        self._waits: dict[int, tuple[AckKind, float]] = {}
+        self.ids = PacketIds() if ids is None else ids
+        self._waits: dict[int, tuple[AckKind, float, bool]] = {}
         """By packet id, in the order of their deadlines (a wait moved to its next ack goes last)."""
+        self._retained = 0
+        """Waits of retained messages (``room`` counts these only)."""
         self._finished: dict[int, Callable[[], None]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._room = asyncio.Event()
         self._room.set()
         self._reader_paused = False
         self.stopped = False
-        self.caught_up: Callable[[], bool] = _always
-        """Whether the connection's reader has read all its client sent (the plugin's reader sets
-        it; on amqtt's own loop, which reads all the time, a wait ends ``timeout`` after its write)."""
+
+    def never_expire(self) -> None:
+        """The plugin's reader reads this connection: a wait ends only with its ack or the end."""
+        self._timeout = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     @property
-    def watches_reader(self) -> bool:
-        """Whether a wait ends only with ``caught_up`` (the plugin's reader), not at its deadline."""
-        return self.caught_up is not _always
+    def expires(self) -> bool:
+        return self._timeout is not None
 
     def __len__(self) -> int:
         return len(self._waits)
@@ -71,44 +101,60 @@ class RetainedAcks:
         entry = self._waits.get(packet_id)
         return entry is not None and entry[0] == kind
 
-    def wait(self, packet_id: int, kind: AckKind, finished: Callable[[], None] | None = None) -> bool:
-        """Awaits ``kind`` for ``packet_id`` for ``timeout`` seconds from now (a PUBCOMP replaces
-        the PUBREC its PUBREL answers; waiting again for the same ack restarts its time, as once
-        its write is done); False once stopped: nothing is awaited past the end."""
-        if self.stopped:
-            return False
+    def send(
+        self, kind: AckKind, retained: bool, finished: Callable[[], None] | None, taken: Container[int] = ()
+    ) -> int | None:
+        """A free packet id (none in ``taken``), its ``kind`` awaited; None, nothing awaited, once
+        stopped or with no id free."""
+        packet_id = None if self.stopped else self.ids.take(taken)
+        if packet_id is None:
+            return None
         if finished is not None:
             self._finished[packet_id] = finished
-        loop = asyncio.get_running_loop()
-        self._waits.pop(packet_id, None)
-        self._waits[packet_id] = (kind, loop.time() + self._timeout)
-        if self._timer is None:
-            self._timer = loop.call_at(loop.time() + self._timeout, self._expire)
-        if len(self._waits) >= self._most and not self._reader_paused:
+        self._retained += retained
+        self._waits[packet_id] = (kind, 0.0, retained)
+        self.wait(packet_id, kind)
+        if self._retained >= self._most and not self._reader_paused:
             self._room.clear()
+        return packet_id
+
+    def wait(self, packet_id: int, kind: AckKind) -> bool:
+        """Awaits ``kind`` for ``packet_id``'s message (a PUBCOMP replaces the PUBREC its PUBREL
+        answers; on amqtt's loop, waiting again restarts its ``timeout``, as once its write is
+        done); False unless it awaits an ack."""
+        entry = self._waits.pop(packet_id, None)
+        if entry is None:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = 0.0 if self._timeout is None else loop.time() + self._timeout
+        self._waits[packet_id] = (kind, deadline, entry[2])
+        if self._timeout is not None and self._timer is None:
+            self._timer = loop.call_at(deadline, self._expire)
         return True
 
     def done(self, packet_id: int) -> None:
-        """Its last ack came (or its send failed, or its wait ended)."""
-        if self._waits.pop(packet_id, None) is not None and len(self._waits) <= self._most // 2:
-            self._room.set()
+        """Its last ack came (or its send failed, or its wait ended): its id is free again."""
+        entry = self._waits.pop(packet_id, None)
+        if entry is None:
+            return
+        self.ids.give_back(packet_id)
+        if entry[2]:
+            self._retained -= 1
+            if self._retained <= self._most // 2:
+                self._room.set()
         finished = self._finished.pop(packet_id, None)
         if finished is not None:
             finished()
 
     def _expire(self) -> None:
-        """Ends the waits past their deadline, once the reader caught up (looked at again every
-        ``recheck`` seconds until it has): until it has read all its client sent, the ack may be
-        among what it has not read."""
+        """Ends the waits past their deadline (amqtt's own loop)."""
         self._timer = None
+        if self._timeout is None:
+            return
         loop = asyncio.get_running_loop()
         now = loop.time()
-        first = next(iter(self._waits.values()), None)
-        if first is not None and first[1] <= now and not self.caught_up():
-            self._timer = loop.call_at(now + self._recheck, self._expire)
-            return
         due: list[tuple[int, AckKind]] = []
-        for packet_id, (kind, deadline) in self._waits.items():
+        for packet_id, (kind, deadline, _) in self._waits.items():
             if deadline > now:
                 break
             due.append((packet_id, kind))
@@ -119,16 +165,18 @@ class RetainedAcks:
             self._timer = loop.call_at(next(iter(self._waits.values()))[1], self._expire)
 
     def reader_paused(self, paused: bool) -> None:
-        """The reader pauses or reads on: while paused, ``room`` waits for nothing (the acks it
-        would wait for sit behind the paused read, which waits for the message loop)."""
+        """The reader pauses or reads on: while paused (or once it read to the end), ``room``
+        waits for nothing: the acks it would wait for sit behind the paused read, which waits for
+        the message loop (or will never come)."""
         self._reader_paused = paused
         if paused:
             self._room.set()
-        elif len(self._waits) >= self._most:
+        elif self._retained >= self._most:
             self._room.clear()
 
     async def room(self) -> None:
-        """Until fewer than ``most`` wait, or at most half once that many did, or the reader pauses."""
+        """Until fewer than ``most`` retained messages wait, or at most half once that many did, or
+        the reader pauses."""
         await self._room.wait()
 
     def stop(self) -> list[tuple[int, AckKind]]:
@@ -137,8 +185,9 @@ class RetainedAcks:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        waits = [(packet_id, kind) for packet_id, (kind, _) in self._waits.items()]
+        waits = [(packet_id, kind) for packet_id, (kind, _, _) in self._waits.items()]
         self._waits.clear()
+        self._retained = 0
         self._room.set()
         finished, self._finished = self._finished, {}
         for then in finished.values():
