@@ -39,7 +39,7 @@ from test_hostile_wire import (
     wait_until,
 )
 
-from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, queued_while_dropped
+from conftest import HOST, WAIT, Broker, Client, free_port, mqtt_packet, mqtt_string, payloads, queued_while_dropped
 from durable_client.protocol import CONTROL_TOPIC, REPLY_TOPIC, STREAM_TOPIC_PREFIX, decode_frame
 
 BIG = 2**64 + 1
@@ -1000,3 +1000,28 @@ def test_unacked_live_messages_do_not_hold_back_the_next_subscribes_retained_mes
     assert read_packet(sock, time.monotonic() + WAIT) == (0xD0, b"")
     log = broker.log()
     assert IGNORED not in log and "came within 5 s of its write" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_on_amqtts_own_loop_a_live_messages_wait_ends_5_s_after_its_write(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """A websocket connection is read by amqtt's loop, where an ack wait ends 5 s after the write
+    as amqtt's did: a clean client that never PUBACKs its live QoS 1 message (max_pending_clean 1)
+    has it given up (WARNING), and the next message is sent to it then, not dropped."""
+    broker = broker_factory(start=False, drop_log_interval=3600, max_pending_clean=1)
+    broker.ws_port = free_port()
+    broker.start()
+    assert broker.ws_port is not None
+    device = clients(broker.ws_port, "ws-holder", clean_session=True, manual_ack=True, transport="websockets")
+    assert device.subscribe("live/#", 1) == [1]
+    publisher = clients(broker.port, "live-publisher", clean_session=True)
+    publisher.publish("live/1", [b"first"], qos=1)
+    assert [m.payload for m in device.wait_messages(1)] == [b"first"]
+    written = time.monotonic()
+    given_up = "ws-holder: no PUBACK for the message of packet id 1 came within 5 s of its write: not awaited any more"
+    assert broker.wait_until(lambda: given_up in broker.log(), WAIT), broker.log()[-3000:]
+    assert time.monotonic() - written > 4.5
+    publisher.publish("live/1", [b"second"], qos=1)
+    assert [m.payload for m in device.wait_messages(2)] == [b"first", b"second"]
+    log = broker.log()
+    assert "dropped" not in log and "Traceback" not in log, log[-3000:]
