@@ -828,6 +828,71 @@ def test_a_subscribe_whose_retained_messages_outnumber_the_packet_ids_skips_the_
     assert "Traceback" not in log
 
 
+def waiting_for_room(broker: Broker, clients: Callable[..., Client]) -> tuple[socket.socket, Counter[int]]:
+    """A clean client that reads but never acks, its message loop waiting for MAX_RETAINED_ACKS's
+    room (as in the never-acking test above) with 9 of its SUBSCRIBEs still queued; the packets it
+    read by kind."""
+    publisher = clients(broker.port, "retainer", clean_session=True)
+    for k in range(FILTERS):
+        for j in range(PER_FILTER):
+            publisher.paho.publish(f"r/{k}/{j}", b"x", qos=1, retain=True)
+        publisher.publish("sync", [b"x"], qos=1)  # the ones before it are acknowledged too
+    sock = raw_connect(broker.port, "no-acks", clean=True, keepalive=0)
+    sock.sendall(b"".join(subscribe(k, f"r/{k}/+") for k in range(FILTERS)))
+    kinds: Counter[int] = Counter()
+    first_filters = -(-MAX_RETAINED_ACKS // PER_FILTER)
+    deadline = time.monotonic() + WAIT
+    while kinds[0x33] < first_filters * PER_FILTER or kinds[0x90] < first_filters + 1:  # bounded by the deadline
+        kinds[read_packet(sock, deadline)[0]] += 1
+    return sock, kinds
+
+
+def read_until_the_close(sock: socket.socket, kinds: Counter[int], deadline: float) -> None:
+    """Counts the packets ``sock`` reads by kind until the broker closes it (TimeoutError past ``deadline``)."""
+    with contextlib.suppress(ConnectionClosedError, ConnectionResetError):
+        while True:  # bounded by the deadline
+            kinds[read_packet(sock, deadline)[0]] += 1
+
+
+END_WAIT = 60
+"""connection_end_wait: far past the bounds below, which a wait for it would exceed."""
+
+
+def test_a_disconnect_of_a_connection_waiting_for_retained_room_answers_every_subscribe_and_closes_it(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """The never-acking client (keep-alive 0) sends DISCONNECT with 9 SUBSCRIBEs waiting for
+    MAX_RETAINED_ACKS's room, its socket left open for reading: no ack comes after a DISCONNECT,
+    so the room opens for good as the end begins: every SUBSCRIBE is answered and the connection
+    closed at once (when the room stayed shut, the end waited connection_end_wait for the changes,
+    dropped them unanswered, and the connection stayed open until its keep-alive ran out)."""
+    broker = broker_factory(drop_log_interval=3600, connection_end_wait=END_WAIT)
+    sock, kinds = waiting_for_room(broker, clients)
+    sock.sendall(b"\xe0\x00")  # DISCONNECT
+    read_until_the_close(sock, kinds, time.monotonic() + WAIT)
+    assert kinds == {0x33: FILTERS * PER_FILTER, 0x90: FILTERS}, kinds
+    assert "Traceback" not in broker.log()
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_a_take_over_of_a_connection_waiting_for_retained_room_is_connacked_at_once_and_answers_every_subscribe(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean: bool
+) -> None:
+    """A clean CONNECT of the never-acking client's id takes its connection over while 9 SUBSCRIBEs
+    wait for MAX_RETAINED_ACKS's room: the room opens for good as the old connection's end begins,
+    so its SUBSCRIBEs are all answered before its close and the new CONNACK comes at once (when the
+    room stayed shut, the CONNACK came connection_end_wait later and the 9 SUBACKs never)."""
+    broker = broker_factory(drop_log_interval=3600, connection_end_wait=END_WAIT)
+    old, kinds = waiting_for_room(broker, clients)
+    deadline = time.monotonic() + WAIT
+    new = raw_connect(broker.port, "no-acks", clean=clean, keepalive=0)  # within WAIT (its read_exactly)
+    read_until_the_close(old, kinds, deadline)
+    assert kinds == {0x33: FILTERS * PER_FILTER, 0x90: FILTERS}, kinds
+    new.sendall(PINGREQ)
+    assert read_packet(new, deadline) == (0xD0, b"")
+    assert "Traceback" not in broker.log()
+
+
 def test_a_never_acking_client_that_ends_its_sends_at_the_bound_still_gets_every_subscribes_answer(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
@@ -837,18 +902,7 @@ def test_a_never_acking_client_that_ends_its_sends_at_the_bound_still_gets_every
     messages (when a wait ended only with the reader waiting for bytes: never, the message loop
     stuck until the connection's grace ran out, the 9 SUBACKs not sent)."""
     broker = broker_factory(drop_log_interval=3600)
-    publisher = clients(broker.port, "retainer", clean_session=True)
-    for k in range(FILTERS):
-        for j in range(PER_FILTER):
-            publisher.paho.publish(f"r/{k}/{j}", b"x", qos=1, retain=True)
-        publisher.publish("sync", [b"x"], qos=1)  # the ones before it are acknowledged too
-    sock = raw_connect(broker.port, "no-acks", clean=True)
-    sock.sendall(b"".join(subscribe(k, f"r/{k}/+") for k in range(FILTERS)))
-    kinds: Counter[int] = Counter()
-    first_filters = -(-MAX_RETAINED_ACKS // PER_FILTER)
-    deadline = time.monotonic() + WAIT
-    while kinds[0x33] < first_filters * PER_FILTER:  # bounded by the deadline
-        kinds[read_packet(sock, deadline)[0]] += 1
+    sock, kinds = waiting_for_room(broker, clients)
     sock.shutdown(socket.SHUT_WR)  # EOF
     deadline = time.monotonic() + 2 * WAIT
     while kinds[0x33] < FILTERS * PER_FILTER or kinds[0x90] < FILTERS:  # bounded by the deadline

@@ -2901,10 +2901,12 @@ def _one_queue_of_subscription_changes(handler: Any, end_wait: float) -> None:
 
     async def wait_disconnect() -> DisconnectPacket | None:
         result = await original_wait()
+        handler.durable_retained_acks.ending()  # the loop applies the changes, not waiting for acks
         await applied()
         return result
 
     async def stop() -> None:
+        handler.durable_retained_acks.ending()
         if asyncio.current_task() is not handler.durable_loop_task:
             _stop_outgoing_waiters(handler)  # nothing sent awaits its ack past the end
             await applied()
@@ -2915,6 +2917,7 @@ def _one_queue_of_subscription_changes(handler: Any, end_wait: float) -> None:
         """A take-over ends the connection without waiting for its client (``let_go``), but only
         once the changes it sent are applied: their SUBACKs and UNSUBACKs go out before the close."""
         _stop_outgoing_waiters(handler)
+        handler.durable_retained_acks.ending()
         await applied(drain=False)  # the replaced client sends its PUBRELs again on the new connection
         await let_go(handler.writer)
 
@@ -4256,7 +4259,7 @@ class FastReader:
         finally:
             # No ack can come any more: the message loop does not wait for room (a client that
             # shut its socket for writing still gets every SUBSCRIBE it sent answered).
-            self._retained_acks.reader_paused(True)
+            self._retained_acks.ending()
 
     async def run(self) -> None:
         handler = self._handler

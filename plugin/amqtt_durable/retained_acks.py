@@ -81,6 +81,8 @@ class RetainedAcks:
         self._room = asyncio.Event()
         self._room.set()
         self._reader_paused = False
+        self._ending = False
+        """The connection's end began: ``room`` waits for nothing any more."""
         self.stopped = False
 
     def never_expire(self) -> None:
@@ -114,7 +116,7 @@ class RetainedAcks:
         self._retained += retained
         self._waits[packet_id] = (kind, 0.0, retained)
         self.wait(packet_id, kind)
-        if self._retained >= self._most and not self._reader_paused:
+        if self._retained >= self._most and not (self._reader_paused or self._ending):
             self._room.clear()
         return packet_id
 
@@ -165,18 +167,24 @@ class RetainedAcks:
             self._timer = loop.call_at(next(iter(self._waits.values()))[1], self._expire)
 
     def reader_paused(self, paused: bool) -> None:
-        """The reader pauses or reads on: while paused (or once it read to the end), ``room``
-        waits for nothing: the acks it would wait for sit behind the paused read, which waits for
-        the message loop (or will never come)."""
+        """The reader pauses or reads on: while paused, ``room`` waits for nothing: the acks it
+        would wait for sit behind the paused read, which waits for the message loop."""
         self._reader_paused = paused
         if paused:
             self._room.set()
-        elif self._retained >= self._most:
+        elif self._retained >= self._most and not self._ending:
             self._room.clear()
+
+    def ending(self) -> None:
+        """The connection's end began (its reader read to the end, a DISCONNECT, a take-over,
+        ``stop()``): ``room`` waits for nothing from now on, so the message loop applies the changes
+        the end waits for (their SUBACKs) instead of waiting for acks that will not come."""
+        self._ending = True
+        self._room.set()
 
     async def room(self) -> None:
         """Until fewer than ``most`` retained messages wait, or at most half once that many did, or
-        the reader pauses."""
+        the reader pauses, or the connection's end began (``ending``)."""
         await self._room.wait()
 
     def stop(self) -> list[tuple[int, AckKind]]:

@@ -151,6 +151,29 @@ def test_room_counts_retained_waits_only_closes_at_most_and_opens_at_half_or_a_p
     run(main)
 
 
+def test_once_the_connections_end_began_the_room_stays_open() -> None:
+    """``ending`` (a DISCONNECT, a take-over, ``stop()``, the reader's EOF): no ack comes any more,
+    so neither a later ``reader_paused(False)`` (the reader's pause ending) nor more retained waits
+    close the room again (when they did, the end waited connection_end_wait for the SUBSCRIBEs the
+    loop could not apply and dropped them unanswered)."""
+
+    async def main() -> None:
+        acks = RetainedAcks(Expired(), timeout=BOUND, most=2)
+        acks.never_expire()
+        for _ in range(2):
+            assert acks.send("puback", True, None) is not None
+        assert not await within(acks.room(), 0.01)
+        acks.reader_paused(True)
+        acks.ending()
+        acks.reader_paused(False)
+        assert await within(acks.room(), 0)
+        assert acks.send("puback", True, None) is not None
+        assert await within(acks.room(), 0)
+        assert len(acks) == 3
+
+    run(main)
+
+
 def test_no_id_free_sends_nothing_and_stop_hands_back_every_wait_and_nothing_is_awaited_after() -> None:
     async def main() -> None:
         expired = Expired()
