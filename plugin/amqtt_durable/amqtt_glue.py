@@ -320,7 +320,7 @@ PAUSED = "reading from %s paused: %s%s"
 UNACKED = "%s: no %s for the message of packet id %d came within 5 s of its write: not awaited any more%s"
 """Logged (WARNING, at most once per ``drop_log_interval`` per connection) as ``RetainedAcks`` gives up a
 wait, on amqtt's own reader loop only (on FastReader's a wait ends with its ack or the connection)."""
-NO_ID = "%s: %d %s message(s) not sent (the first on %r): 65,535 messages are in flight to or from it%s"
+NO_ID = "%s: %d %s message(s) not sent (the first on %r): 65,535 messages to it await their acks%s"
 """Logged (WARNING, at most once per ``drop_log_interval`` per connection, with UNACKED): no packet id is free."""
 _SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
 """Packet types whose handling a connection's end waits for (FastReader.run): they need nothing more
@@ -3865,17 +3865,18 @@ async def _send_acked(
     as entries of the connection's ``RetainedAcks`` and the transport's ack table (``_retained_ack``),
     not by amqtt's flow in a task (about 3 KB each, given up 5 s after the write: behind a paused
     reader, or from a client reading late, a QoS 2 message got no PUBREL). Its packet id, from the
-    table's O(1) ``PacketIds`` (amqtt's ``next_packet_id`` scanned up to all 65,535 per message,
-    with the event loop held), stays in the session's ``inflight_out`` until the last ack, so
-    amqtt's own sends take another. False, unsent, when no packet id is free. ``finished`` is
-    called once, when its wait ends (or unawaited: QoS 0, the connection's end, once written). As
+    table's ``PacketIds`` (one id looked at per message: amqtt's ``next_packet_id`` scanned up to all
+    65,535, with the event loop held; ids the client uses are its own, MQTT 3.1.1 section 2.3.1),
+    stays in the session's ``inflight_out`` until the last ack, so amqtt's own sends take another.
+    False, unsent, when no packet id is free. ``finished`` is called once, when its wait ends (or
+    unawaited: QoS 0, the connection's end, once written). As
     amqtt's ``gather(return_exceptions=True)``: a send that fails stops no other (amqtt logged why)."""
     session = handler.session
     acks: RetainedAcks = handler.durable_retained_acks
     kind: AckKind = "puback" if qos == 1 else "pubrec"
     packet_id = None
     if qos:
-        packet_id = acks.send(kind, retain, finished, _InFlight(session))
+        packet_id = acks.send(kind, retain, finished, session.inflight_out)
         if packet_id is None:  # no id free, or the connection's end: not sent
             if finished is not None:
                 finished()
@@ -3899,17 +3900,6 @@ async def _send_acked(
         if packet_id is None and finished is not None:
             finished()
     return True
-
-
-class _InFlight:
-    """The packet ids amqtt holds on a session (``PacketIds.take`` skips them), as its own
-    ``next_packet_id`` skips those of ``inflight_out`` and ``inflight_in``."""
-
-    def __init__(self, session: Any) -> None:
-        self._session = session
-
-    def __contains__(self, packet_id: object) -> bool:
-        return packet_id in self._session.inflight_out or packet_id in self._session.inflight_in
 
 
 def _retained_ack(handler: Any, session: Any, packet_id: int) -> None:

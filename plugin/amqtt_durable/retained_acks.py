@@ -23,32 +23,47 @@ plus one SUBSCRIBE's matches may wait. Live waits do not count (``max_pending_cl
 MAX_PACKET_ID = 65535
 
 
+HELD_LOOKS = 8
+"""Ids set aside as held (``PacketIds``) looked at again per take, once no other id is free."""
+
+
 class PacketIds:
-    """Free packet ids in O(1): those never given, then those given back, oldest first. amqtt's
+    """Free packet ids: those never given, then those given back, oldest first. amqtt's
     ``next_packet_id`` scanned up to all 65,535 per message (18.6 ms near a full table, the event
-    loop held); an id amqtt holds itself (``taken``) goes to the back, looked at once per take."""
+    loop held). An id met still held by amqtt (``taken``: the session's ``inflight_out``; the
+    client's own ids are another set, MQTT 3.1.1 section 2.3.1) is set aside, out of the FIFO, so
+    it is looked at once per hold, not at every take; the set-aside ones are looked at again, at
+    most HELD_LOOKS per take, only once no other id is free. A take thus looks at one id, plus
+    those it sets aside, plus at most HELD_LOOKS."""
 
     def __init__(self, most: int = MAX_PACKET_ID) -> None:
         self._most = most
         self._fresh = 1
         """The lowest id never given."""
         self._back: deque[int] = deque()
-        """Ids given back, or skipped as ``taken``."""
+        """Ids given back."""
+        self._held: deque[int] = deque()
+        """Ids met while amqtt held them."""
 
     def take(self, taken: Container[int] = ()) -> int | None:
         """A free id not in ``taken``, or None when none is. Ids never given go first, as amqtt's
         cycle did: an id given back (a wait given up on amqtt's loop) is not the next one sent."""
-        while self._fresh <= self._most:  # bounded by most
-            packet_id = self._fresh
-            self._fresh += 1
+        while True:  # bounded: each id met held leaves the FIFO
+            if self._fresh <= self._most:
+                packet_id = self._fresh
+                self._fresh += 1
+            elif self._back:
+                packet_id = self._back.popleft()
+            else:
+                break
             if packet_id not in taken:
                 return packet_id
-            self._back.append(packet_id)
-        for _ in range(len(self._back)):  # each looked at once
-            packet_id = self._back.popleft()
+            self._held.append(packet_id)
+        for _ in range(min(HELD_LOOKS, len(self._held))):
+            packet_id = self._held.popleft()
             if packet_id not in taken:
                 return packet_id
-            self._back.append(packet_id)
+            self._held.append(packet_id)
         return None
 
     def give_back(self, packet_id: int) -> None:
