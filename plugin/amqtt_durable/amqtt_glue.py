@@ -2857,8 +2857,10 @@ def _one_queue_of_subscription_changes(handler: Any, end_wait: float) -> None:
     violation while amqtt's applied it), the loop's subscription waiter takes them one at a
     time (``AmqttHooks.handle_subscription`` passes an UNSUBSCRIBE on) and its unsubscription waiter
     waits until the loop cancels it. The end waits until every change has been applied (at most
-    ``connection_end_wait`` from its first wait, one deadline for all its waits): ``wait_disconnect``
-    returns the end to the loop only then, and ``stop()`` (the reader's at a DISCONNECT, EOF or
+    ``connection_end_wait`` from its first wait, one deadline for all its waits; as it begins, the
+    retained room opens for good, ``RetainedAcks.ending``: the loop, which applies the changes, would
+    wait there for acks that may never come): ``wait_disconnect`` returns the end to the loop only
+    then, and ``stop()`` (the reader's at a DISCONNECT, EOF or
     reset, a take-over's, any but the loop's own: the loop cannot apply while it waits there) stops
     the connection only then (so a take-over's CONNACK waits for the older connection's changes,
     and in a reconnect storm for that connection's loop to get its ``attach_limit`` slot first:
