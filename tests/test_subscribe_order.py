@@ -299,6 +299,20 @@ def test_take_over_of_a_stuck_connection_with_a_waiting_subscribe_is_answered_wi
     assert seconds < 6.0, f"the take-over's CONNACK came after {seconds:.2f} s"
 
 
+def unread_by_the_broker(sock: socket.socket) -> int:
+    """Bytes ``sock`` sent that the broker has not read yet: its end's receive queue, from
+    /proc/net/tcp (the kernel's own table: no command to install); -1 when no such socket is."""
+    ours = f"{sock.getsockname()[1]:04X}"
+    broker = f"{sock.getpeername()[1]:04X}"
+    with open("/proc/net/tcp") as table:
+        for line in table.read().splitlines()[1:]:
+            fields = line.split()
+            local, remote, state, queues = fields[1], fields[2], fields[3], fields[4]
+            if state == "01" and local.endswith(":" + broker) and remote.endswith(":" + ours):
+                return int(queues.split(":")[1], 16)
+    return -1
+
+
 def test_a_qos2_publish_whose_pubrel_comes_during_the_take_over_wait_is_delivered(
     reader: Broker, clients: Callable[..., Client]
 ) -> None:
@@ -319,6 +333,9 @@ def test_a_qos2_publish_whose_pubrel_comes_during_the_take_over_wait_is_delivere
         newer.sendall(connect_packet("q2-dev", clean=False))
         assert reader.wait_until(lambda: "q2-dev is already connected, performing take-over" in reader.log(), WAIT)
         sock.sendall(mqtt_packet(0x62, (7).to_bytes(2, "big")))  # PUBREL
+        # Its PUBCOMP comes before SUBACK 2 once the broker read the PUBREL before the client reads
+        # what it was sent (which lets the SUBSCRIBE be applied): wait for that read.
+        assert reader.wait_until(lambda: unread_by_the_broker(sock) == 0, WAIT), unread_by_the_broker(sock)
         read: list[tuple[int, int]] = []
         while not closed_at_packet(sock, read):  # bounded: the broker closes after the retained messages
             assert len(read) <= 60, read
@@ -366,6 +383,38 @@ def test_broker_stops_at_once_with_connections_waiting_for_a_retained_puback(
     for sock in socks:
         sock.close()
     assert stopped and seconds < 5.0, f"the broker stopped after {seconds:.2f} s"
+
+
+def test_broker_stops_cleanly_with_retained_sends_stuck_on_a_client_that_reads_nothing(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """A clean client SUBSCRIBEs to 2,000 retained QoS 1 messages of 4 kB and reads nothing: their
+    sends (a task each) wait to write. The broker stops (SIGTERM) and its log has no error of theirs:
+    the connection's stop cancels them (when it did not, asyncio.run's shutdown cancelled them
+    and logged about 1,300 'unhandled exception during asyncio.run() shutdown' ERRORs)."""
+    publisher = clients(broker.port, "ret-pub", clean_session=True)
+    for i in range(0, 2000, 500):
+        for j in range(i, i + 500):
+            publisher.paho.publish(f"r/{j}", b"x" * 4096, qos=1, retain=True)
+        publisher.publish("sync", [b"x"], qos=1)  # the 500 before it are acknowledged too
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(WAIT)
+    with sock:
+        sock.connect((HOST, broker.port))
+        sock.sendall(connect_packet("no-read", clean=True))
+        assert read_exactly(sock, 4)[3] == 0
+        sock.sendall(subscribe_qos1("r/+", 1))
+
+        def unread() -> int:
+            return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0])
+
+        assert broker.wait_until(lambda: unread() > 0, WAIT)  # the SUBACK, then the sends' first writes
+        broker.terminate()
+        assert broker.wait_stopped(time.monotonic() + WAIT)
+    log = broker.log()
+    for error in ("unhandled exception during asyncio.run() shutdown", "never retrieved", "Traceback"):
+        assert error not in log, log[-3000:]
 
 
 def test_changes_still_waiting_when_the_grace_runs_out_are_dropped_with_a_warning(

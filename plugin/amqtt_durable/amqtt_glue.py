@@ -82,7 +82,8 @@ instance the plugin is loaded into and on each connection's handler:
   acknowledged, still waiting for its message loop, is kept for that loop's end to hand over
   (amqtt emptied the queue), before what the new connection publishes (``PublishedMessages.follow``);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
-  PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
+  PUBLISH, acks and PINGREQ inline instead of amqtt's task per packet, and reads nothing more
+  while the requests under way pass a bound (see ``FastReader``);
 * ``BrokerProtocolHandler.handle_subscribe`` / ``handle_unsubscribe`` /
   ``get_next_pending_subscription`` / ``get_next_pending_unsubscription`` (per connection), with
   ``wait_disconnect`` and ``stop``: a connection's SUBSCRIBEs and UNSUBSCRIBEs share one queue
@@ -133,14 +134,17 @@ instance the plugin is loaded into and on each connection's handler:
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import fcntl
 import json
 import logging
 import math
 import ssl
+import termios
 import time
 from collections import UserDict, deque
 from collections.abc import Awaitable, Callable, Coroutine
@@ -154,7 +158,7 @@ from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapte
 from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.codecs_amqtt import decode_packet_id, read_or_raise
 from amqtt.contexts import Action, ListenerType
-from amqtt.errors import AMQTTError, BrokerError, MQTTError, NoDataError, ZeroLengthReadError
+from amqtt.errors import AMQTTError, BrokerError, MQTTError, NoDataError, ProtocolHandlerError, ZeroLengthReadError
 from amqtt.events import BrokerEvents, MQTTEvents
 from amqtt.mqtt import packet_class
 from amqtt.mqtt import subscribe as amqtt_subscribe
@@ -184,7 +188,7 @@ from amqtt.mqtt.packet import (
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler, Subscription, UnSubscription
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.plugins.base import BasePlugin
-from amqtt.session import IncomingApplicationMessage, Session
+from amqtt.session import IncomingApplicationMessage, OutgoingApplicationMessage, Session
 from transitions import MachineError
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State as WebsocketState
@@ -213,12 +217,13 @@ from .replication.commits import ReplicatedCommits
 from .replication.etcd import EtcdCoordinator
 from .replication.node import ReplicationNode
 from .replication.primary import Primary
+from .retained_acks import RetainedAcks
 from .settings import socket_backlog
 from .silence import SilenceWatch
 from .stream_sender import StreamSender
 from .subscription_changes import SubscriptionChanges
 from .topics import SubscriptionIndex, TopicIndex, topic_problem
-from .wire import PacketReader, encode_puback, encode_pubcomp, encode_pubrec
+from .wire import PacketReader, encode_puback, encode_pubcomp, encode_pubrec, encode_pubrel
 
 log = logging.getLogger("amqtt_durable")
 
@@ -289,9 +294,34 @@ _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconne
 
 _ACK_KINDS: dict[int, AckKind] = {PUBACK: "puback", PUBREC: "pubrec", PUBCOMP: "pubcomp"}
 READ_SIZE = 1 << 16
+"""Bytes FastReader asks the socket for at a time."""
 SILENT = "%s: nothing received for 1.5 keep-alive periods: disconnecting"
 """Logged (INFO) when MQTT-3.1.2-24 ends a connection, on either reader loop."""
-"""Bytes FastReader asks the socket for at a time."""
+PINGRESP_PACKET = bytes((PINGRESP << 4, 0))
+"""A PINGRESP, which FastReader writes itself (with the acks) while the write side has room."""
+MAX_UNDER_WAY = 256
+"""Packets of one connection the plugin's reader hands to amqtt's handlers (a task each: SUBSCRIBE,
+UNSUBSCRIBE, PUBREL, QoS 2 PUBLISH, a PINGREQ read while the write buffer is full, ...) not yet
+done, or SUBSCRIBEs / UNSUBSCRIBEs waiting for the message loop, at which it reads nothing more
+while its client reads its answers slower than they are written, until it reads or half that are
+done (FastReader._room)."""
+MAX_UNDER_WAY_READ = 4096
+"""MAX_UNDER_WAY for a client that reads its answers, which is answered at the pace its requests
+are handled: the bound only caps what they hold."""
+UNREAD = (
+    "%s: no answer read, no packet handled, no SUBSCRIBE/UNSUBSCRIBE applied for 1.5 keep-alive periods"
+    " while its reader waits for it: disconnecting"
+)
+"""Logged (INFO) when FastReader._room ends a connection (the will is published)."""
+PROGRESS_CHECKS = 8
+"""Times in each 1.5 keep-alive periods a paused reader looks whether its connection got on (``_room``)."""
+PAUSED = "reading from %s paused: %s%s"
+"""Logged (INFO, at most once per ``drop_log_interval`` per connection) as FastReader waits."""
+UNACKED = "%s: no %s for the message of packet id %d came within 5 s of its write: not awaited any more%s"
+"""Logged (WARNING, at most once per ``drop_log_interval`` per connection) as ``RetainedAcks`` gives up a
+wait, on amqtt's own reader loop only (on FastReader's a wait ends with its ack or the connection)."""
+NO_ID = "%s: %d %s message(s) not sent (the first on %r): 65,535 messages to it await their acks%s"
+"""Logged (WARNING, at most once per ``drop_log_interval`` per connection, with UNACKED): no packet id is free."""
 _SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
 """Packet types whose handling a connection's end waits for (FastReader.run): they need nothing more
 from the peer."""
@@ -1126,6 +1156,16 @@ WS_HIGH_WATER = 65_536
 """Bytes written to a websocket connection in one loop pass past which it counts as congested."""
 
 
+def _kernel_send_queue(transport: Any) -> int:
+    """Bytes in the kernel's send queue (TIOCOUTQ) of the transport's socket."""
+    sock = transport.get_extra_info("socket")
+    queued = array.array("i", [0])
+    if sock is not None:
+        with contextlib.suppress(OSError, ValueError):  # closed, or a platform without the request
+            fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, queued)
+    return queued[0]
+
+
 class HandlerTransport:
     """A pump's view of one client connection: raw writes, and acks taken before amqtt sees them.
 
@@ -1164,6 +1204,18 @@ class HandlerTransport:
     def unsent(self) -> bool:
         """Bytes written here wait for this loop pass's end to go to the socket."""
         return bool(self._pending)
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Bytes written to the client it has not acknowledged (fewer once it reads some:
+        FastReader._room): here, in asyncio's buffer and in the kernel's send queue (TIOCOUTQ),
+        which can hold megabytes and takes no more from asyncio until a third of it is free. On a
+        websocket (FastReader, which asks, runs on TCP only) only those here are known."""
+        writer = self._handler.writer
+        if not isinstance(writer, StreamWriterAdapter):
+            return self._pending_bytes
+        transport = writer._writer.transport
+        return self._pending_bytes + int(transport.get_write_buffer_size()) + _kernel_send_queue(transport)
 
     @property
     def congested(self) -> bool:
@@ -1205,6 +1257,10 @@ class HandlerTransport:
 
     def expect_ack(self, kind: AckKind, packet_id: int, on_ack: Callable[[], None]) -> None:
         self._expected[kind][packet_id] = on_ack
+
+    def forget_ack(self, kind: AckKind, packet_id: int) -> None:
+        """The ack is not awaited any more (its wait ended: ``RetainedAcks``)."""
+        self._expected[kind].pop(packet_id, None)
 
     async def end(self) -> None:
         """End this connection as amqtt's own take-over does (MQTT-3.1.4-2): its message loop sees
@@ -1463,7 +1519,8 @@ class Unsent:
 
 
 class CleanSends:
-    """amqtt's sends to its own (clean-session) subscribers, bounded per connection.
+    """amqtt's sends to its own (clean-session) subscribers, bounded per connection, their acks
+    awaited as the retained messages' are (``_send_acked``).
 
     amqtt 0.12.1 starts a task per message and subscriber, with no bound: a subscriber that does
     not read (its socket full) made the broker hold every later message for it, and its first
@@ -1492,17 +1549,21 @@ class CleanSends:
             return
         unsent.count += 1
         unsent.bytes += size
-        task = asyncio.ensure_future(handler.mqtt_publish(topic, data, qos, retain=False))
+        finished = partial(self._sent, unsent, size)
+        task = asyncio.ensure_future(_send_acked(handler, topic, data, qos, retain=False, finished=finished))
         self.tasks.add(task)
-        task.add_done_callback(partial(self._sent, unsent, size, client_id))
+        task.add_done_callback(partial(self._done, handler, client_id, topic))
 
-    def _sent(self, unsent: Unsent, size: int, client_id: str, task: asyncio.Task[Any]) -> None:
-        self.tasks.discard(task)
+    @staticmethod
+    def _sent(unsent: Unsent, size: int) -> None:
+        """Its last ack came, or its wait ended (``RetainedAcks``), or, QoS 0, it was written."""
         unsent.count -= 1
         unsent.bytes -= size
-        exc = None if task.cancelled() else task.exception()
-        if exc is not None and not self.stopping and not isinstance(exc, TimeoutError):  # amqtt logs a timeout
-            log.warning("%s: a message was not delivered: %r", client_id, exc)  # amqtt logged it and went on
+
+    def _done(self, handler: Any, client_id: str, topic: str, task: asyncio.Task[bool]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is None and not task.result():
+            _log_retained(handler, NO_ID, client_id, 1, "live", topic)
 
     def _drop(self, unsent: Unsent, client_id: str, topic: str) -> None:
         self.engine.clean_dropped_total += 1
@@ -2107,13 +2168,15 @@ class AmqttHooks:
                 item for item in retained
                 if await self.broker._topic_filtering(session, item[0], Action.RECEIVE)
             ]
-        sends = [  # at most the retained message's own QoS (0 included), as durable sessions get it
-            handler.mqtt_publish(
-                topic, message.data, qos if message.qos is None else min(qos, message.qos), retain=True
-            )
-            for topic, message in retained
-        ]
-        await asyncio.gather(*sends, return_exceptions=True)  # as amqtt's: one failed send stops no other
+        await handler.durable_retained_acks.room()
+        no_id: list[str] = []
+        for topic, message in retained:  # at most the message's own QoS (0 included), as durable sessions get it
+            sent_qos = qos if message.qos is None else min(qos, message.qos)
+            if not (sent_qos and no_id) and await _send_acked(handler, topic, message.data, sent_qos, retain=True):
+                continue
+            no_id.append(topic)  # once one found no packet id, the rest at QoS 1/2 are not tried
+        if no_id:
+            _log_retained(handler, NO_ID, session.client_id, len(no_id), "retained", no_id[0])
 
     async def broadcast_message(
         self,
@@ -2260,7 +2323,9 @@ def _intercept_acks(handler: Any, unexpected: LogBudget) -> None:
 def _ack_interceptor(
     handler: Any, kind: AckKind, original: Callable[[Any], Awaitable[None]], unexpected: LogBudget
 ) -> Callable[[Any], Awaitable[None]]:
-    """Acks of pump-sent messages go to the pump; one amqtt waits for to its waiter. Any other is
+    """Acks of pump-sent messages go to the pump; one amqtt waits for to its waiter. A PUBREC again
+    for a clean session's message whose PUBCOMP is awaited (``durable_retained_acks``) gets its
+    PUBREL again (MQTT 3.1.1 section 4.3.3: the PUBREC is answered each time it comes). Any other is
     ignored with a WARNING at most once per ``drop_log_interval`` (``unexpected``, the connection's):
     amqtt logged one per packet, so a client sending 4-byte acks of ids nothing awaits wrote some
     100 bytes of log for each."""
@@ -2272,6 +2337,9 @@ def _ack_interceptor(
         waiter = getattr(handler, f"_{kind}_waiters").get(packet_id)
         if waiter is not None and not waiter.done():
             await original(packet)
+            return
+        if kind == "pubrec" and handler.durable_retained_acks.awaits(packet_id, "pubcomp"):
+            handler.durable_transport.write(encode_pubrel(packet_id))
             return
         left_out = unexpected.take()
         if left_out is not None:
@@ -2481,6 +2549,8 @@ def _wrap_handler(
     handler.handle_publish = handle_publish
     handler.mqtt_connack_authorize = connack_authorize
     _intercept_acks(handler, LogBudget(engine.config.drop_log_interval))
+    handler.durable_retained_log = LogBudget(engine.config.drop_log_interval)
+    handler.durable_retained_acks = RetainedAcks(partial(_retained_ack_expired, handler, session))
     handler.handle_pubrel = _pubrel_handler(engine, handler, session, awaiting)
     # The changes' queue first: _keep_the_disconnect's wait_disconnect then answers once the changes
     # are applied, so a DISCONNECT read meanwhile (during a take-over's wait) discards the will.
@@ -2787,19 +2857,20 @@ def _one_queue_of_subscription_changes(handler: Any, end_wait: float) -> None:
     violation while amqtt's applied it), the loop's subscription waiter takes them one at a
     time (``AmqttHooks.handle_subscription`` passes an UNSUBSCRIBE on) and its unsubscription waiter
     waits until the loop cancels it. The end waits until every change has been applied (at most
-    ``connection_end_wait`` from its first wait, one deadline for all its waits): ``wait_disconnect``
-    returns the end to the loop only then, and ``stop()`` (the reader's at a DISCONNECT, EOF or
+    ``connection_end_wait`` from its first wait, one deadline for all its waits; as it begins, the
+    retained room opens for good, ``RetainedAcks.ending``: the loop, which applies the changes, would
+    wait there for acks that may never come): ``wait_disconnect`` returns the end to the loop only
+    then, and ``stop()`` (the reader's at a DISCONNECT, EOF or
     reset, a take-over's, any but the loop's own: the loop cannot apply while it waits there) stops
     the connection only then (so a take-over's CONNACK waits for the older connection's changes,
     and in a reconnect storm for that connection's loop to get its ``attach_limit`` slot first:
     nothing else applies them); that ``stop()`` first cancels the handler's PUBACK/PUBREC/PUBCOMP
     waiters, as amqtt's ``stop()`` does first
-    (``_stop_outgoing_waiters``; a clean session's loop sends the retained messages of a
-    SUBSCRIBE, each in its own task, and waits up to 5 s for the QoS 1 ones' PUBACKs: a
-    take-over's CONNACK, a broker's shutdown waited for them; the SUBSCRIBE then counts as applied
-    at once. The waiters of what is sent after, a later SUBSCRIBE's retained messages, are
-    cancelled as they are added, ``_CancelledAsAdded``: nothing sent after that ``stop()`` is
-    waited for).
+    (``_stop_outgoing_waiters``; a clean session's loop writes the retained messages of a
+    SUBSCRIBE and goes on: their acks are awaited as entries of ``durable_retained_acks``, which
+    every ``stop()``, the loop's own too, ends (``_send_acked``, ``RetainedAcks``). The waiters
+    of what amqtt sends after are cancelled as they are added, ``_CancelledAsAdded``: nothing sent
+    after that ``stop()`` is waited for).
     The same wait covers what the client published (``PublishedMessages``: the loop hands it to
     the broker, a QoS 2 message released by a PUBREL read with the DISCONNECT among them).
     When a wait runs out, the queue is closed: what still waits is dropped (WARNING with the exact
@@ -2837,19 +2908,23 @@ def _one_queue_of_subscription_changes(handler: Any, end_wait: float) -> None:
 
     async def wait_disconnect() -> DisconnectPacket | None:
         result = await original_wait()
+        handler.durable_retained_acks.ending()  # the loop applies the changes, not waiting for acks
         await applied()
         return result
 
     async def stop() -> None:
+        handler.durable_retained_acks.ending()
         if asyncio.current_task() is not handler.durable_loop_task:
-            _stop_outgoing_waiters(handler)  # a loop waiting for a retained message's PUBACK goes on at once
+            _stop_outgoing_waiters(handler)  # nothing sent awaits its ack past the end
             await applied()
+        _stop_retained_acks(handler)
         await original_stop()
 
     async def let_go_once_applied() -> None:
         """A take-over ends the connection without waiting for its client (``let_go``), but only
         once the changes it sent are applied: their SUBACKs and UNSUBACKs go out before the close."""
         _stop_outgoing_waiters(handler)
+        handler.durable_retained_acks.ending()
         await applied(drain=False)  # the replaced client sends its PUBRELs again on the new connection
         await let_go(handler.writer)
 
@@ -3783,16 +3858,121 @@ async def _read_some(stream: asyncio.StreamReader, idle: float | None) -> bytes 
         return None
 
 
+async def _send_acked(
+    handler: Any,
+    topic: str,
+    data: bytes | bytearray,
+    qos: int,
+    *,
+    retain: bool,
+    finished: Callable[[], None] | None = None,
+) -> bool:
+    """One message to a clean session: a retained one for its SUBSCRIBE, written by the message loop
+    itself (in order, before the next SUBACK), or a live one (``CleanSends``). Its acks are awaited
+    as entries of the connection's ``RetainedAcks`` and the transport's ack table (``_retained_ack``),
+    not by amqtt's flow in a task (about 3 KB each, given up 5 s after the write: behind a paused
+    reader, or from a client reading late, a QoS 2 message got no PUBREL). Its packet id, from the
+    table's ``PacketIds`` (one id looked at per message: amqtt's ``next_packet_id`` scanned up to all
+    65,535, with the event loop held; ids the client uses are its own, MQTT 3.1.1 section 2.3.1),
+    stays in the session's ``inflight_out`` until the last ack, so amqtt's own sends take another.
+    False, unsent, when no packet id is free. ``finished`` is called once, when its wait ends (or
+    unawaited: QoS 0, the connection's end, once written). As
+    amqtt's ``gather(return_exceptions=True)``: a send that fails stops no other (amqtt logged why)."""
+    session = handler.session
+    acks: RetainedAcks = handler.durable_retained_acks
+    kind: AckKind = "puback" if qos == 1 else "pubrec"
+    packet_id = None
+    if qos:
+        packet_id = acks.send(kind, retain, finished, session.inflight_out)
+        if packet_id is None:  # no id free, or the connection's end: not sent
+            if finished is not None:
+                finished()
+            return acks.stopped
+        # before the write: its ack may be read while the write drains
+        session.inflight_out[packet_id] = message = OutgoingApplicationMessage(packet_id, topic, qos, data, retain)
+        handler.durable_transport.expect_ack(kind, packet_id, partial(_retained_ack, handler, session, packet_id))
+    else:
+        message = OutgoingApplicationMessage(None, topic, qos, data, retain)
+    try:
+        await handler._send_packet(message.build_publish_packet())
+        if packet_id is not None and acks.expires and acks.awaits(packet_id, kind):
+            acks.wait(packet_id, kind)  # amqtt's loop: its 5 s run from the write done, not the wait for the lock
+    except Exception:
+        if packet_id is not None:
+            _forget_retained(handler, session, packet_id, kind)
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # amqtt turns a cancel into ProtocolHandlerError
+            raise
+    finally:
+        if packet_id is None and finished is not None:
+            finished()
+    return True
+
+
+def _retained_ack(handler: Any, session: Any, packet_id: int) -> None:
+    """The PUBACK, PUBREC or PUBCOMP of a message ``_send_acked`` sent, taken by the
+    transport: a PUBREC is answered with its PUBREL (with the acks), and the PUBCOMP then awaited."""
+    acks: RetainedAcks = handler.durable_retained_acks
+    if acks.awaits(packet_id, "pubrec") and acks.wait(packet_id, "pubcomp"):
+        handler.durable_transport.expect_ack("pubcomp", packet_id, partial(_retained_ack, handler, session, packet_id))
+        handler.durable_transport.write(encode_pubrel(packet_id))
+        return
+    session.inflight_out.pop(packet_id, None)
+    acks.done(packet_id)
+
+
+def _retained_ack_expired(handler: Any, session: Any, packet_id: int, kind: AckKind) -> None:
+    """``RetainedAcks`` gave a wait up, ACK_TIMEOUT after the write (amqtt's own loop only)."""
+    _forget_retained(handler, session, packet_id, kind)
+    _log_retained(handler, UNACKED, session.client_id, kind.upper(), packet_id)
+
+
+def _log_retained(handler: Any, line: str, *args: object) -> None:
+    """A WARNING about a connection's retained messages, at most once per ``drop_log_interval``."""
+    left_out = handler.durable_retained_log.take()
+    if left_out is not None:
+        log.warning(line, *args, f" ({left_out} more such line(s) left out)" if left_out else "")
+
+
+def _stop_retained_acks(handler: Any) -> None:
+    """At the connection's end no message awaits its ack: their packet ids are freed."""
+    for packet_id, kind in handler.durable_retained_acks.stop():
+        _forget_retained(handler, handler.session, packet_id, kind)
+
+
+def _forget_retained(handler: Any, session: Any, packet_id: int, kind: AckKind) -> None:
+    """A message's wait is over without its ack: its packet id is free again."""
+    handler.durable_transport.forget_ack(kind, packet_id)
+    session.inflight_out.pop(packet_id, None)
+    handler.durable_retained_acks.done(packet_id)
+
+
+def _cancelled_by_the_end(client_id: str, task: asyncio.Task[None]) -> None:
+    """A handler cancelled at its connection's end (FastReader.run): amqtt turns the cancel of one
+    waiting to write (a PINGREQ's read while the client read nothing) into ProtocolHandlerError,
+    which is no failure here and was logged as a task exception never retrieved; any other error
+    is logged."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, ProtocolHandlerError):
+        log.warning("%s: a handler cancelled at the connection's end failed: %r", client_id, exc)
+
+
 class FastReader:
     """A reader loop for TCP connections that handles the message path without a task per packet.
 
     amqtt's loop wraps every read in ``wait_for`` and every packet in a task. This one reads
-    whole packets from the socket buffer; QoS 0/1 PUBLISH and the acks of pump-sent messages
-    are handled inline (a QoS 1 one goes amqtt's way while a QoS 2 one is being routed), everything
+    whole packets from the socket buffer; QoS 0/1 PUBLISH, the acks of pump-sent messages and
+    PINGREQ are handled inline (a QoS 1 one goes amqtt's way while a QoS 2 one is being routed), everything
     else is decoded by amqtt's packet classes and dispatched as amqtt does, but at EOF the handlers
     of SUBSCRIBE, UNSUBSCRIBE and DISCONNECT under way are waited for (``_settling``), not
-    cancelled. It steps aside (runs amqtt's loop) for non-TCP connections and
-    when plugins listen to raw packets or filter topics, which the inline path would skip.
+    cancelled. It reads nothing more while the requests under way pass a bound, lower while its
+    client reads its answers slower than they are written (``_room``): a PINGREQ is answered
+    inline only while the broker holds no more unsent for the client than its socket's write
+    buffer limit, else by amqtt's task, which waits to write. It steps aside (runs amqtt's loop)
+    for non-TCP connections and when plugins listen to raw packets or filter topics, which the
+    inline path would skip.
     """
 
     def __init__(self, broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
@@ -3812,6 +3992,15 @@ class FastReader:
         its task is cancelled (``_bounded_qos2``; the connection's end waits for a PUBREL read
         behind it, ``PublishedMessages.handed_over``)."""
         self._max_packet_size = engine.config.max_packet_size
+        self._changes: SubscriptionChanges[Any] = handler.durable_changes
+        self._retained_acks: RetainedAcks = handler.durable_retained_acks
+        self._paused = LogBudget(engine.config.drop_log_interval)
+        self._room_made = asyncio.Event()
+        """Set once at most ``_resume_at`` handlers are under way (``_room`` waits for it)."""
+        self._resume_at = MAX_UNDER_WAY // 2
+        """Half the bound the last pause passed (``_room``)."""
+        self._handlers_done = 0
+        """Handlers done so far: one done is progress for a paused connection (``_progress``)."""
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
         """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2 or 3, busy ACLs).
@@ -3849,10 +4038,20 @@ class FastReader:
                 return
         elif _BAD_FIRST[first]:
             raise first_byte_refusal(first)
+        elif packet_type == PINGREQ and not body and not self._transport.congested:
+            self._transport.write(PINGRESP_PACKET)  # with the acks; else amqtt's task, bounded by _room
+            return
         kind = _ACK_KINDS.get(packet_type)
         if kind is not None and len(body) == 2 and self._transport.take_ack(kind, int.from_bytes(body, "big")):
             return
         await self._to_amqtt(packet_type, flags, body)
+
+    def _log_pause(self, cause: str) -> None:
+        """PAUSED, at most once per ``drop_log_interval``; the next line says how many were left out."""
+        left_out = self._paused.take()
+        if left_out is not None:
+            also = f" ({left_out} more pause(s) since the last line)" if left_out else ""
+            log.info(PAUSED, self._session.client_id, cause, also)
 
     async def _dispatch_all(self, packets: list[tuple[int, bytes]]) -> None:
         """The packets of one read, in order; runs of acks of one kind go to the pump together.
@@ -3899,12 +4098,103 @@ class FastReader:
         packet = await packet_class(fixed).from_stream(BufferReader(body), fixed_header=fixed)
         method = _HANDLERS.get(packet_type)
         if method is not None:
+            await self._room()
+            if handler.durable_ended:
+                return  # ended while the reader waited (UNREAD)
             task = asyncio.create_task(getattr(handler, method)(packet))
             self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            task.add_done_callback(self._handled)
             if packet_type in _SETTLED_AT_EOF:
                 self._settling.add(task)
                 task.add_done_callback(self._settling.discard)
+
+    async def _room(self) -> None:
+        """Waits while ``MAX_UNDER_WAY`` of the connection's packets are being handled or as many
+        SUBSCRIBEs and UNSUBSCRIBEs wait for the message loop and the client reads its answers
+        slower than they are written (``congested``), until it reads (the write side drained) or
+        half that are done (a wake-up per task done cost more than the task); ``MAX_UNDER_WAY_READ``
+        of them whatever the client reads, until half that are. Each task (a PINGREQ's or a
+        PUBREL's waits to write its answer while the client reads nothing) and each change holds
+        memory, and a client that sends without reading its answers was read on without end
+        (400,000 SUBSCRIBEs in a second: 140 MB); reading nothing more, the socket fills and the
+        client's sends wait. A connection paused (at either bound) that gets nowhere for 1.5 keep-alive periods
+        (``_waited_with_progress``) is ended (UNREAD): a half-open one sends nothing either, but
+        its reader would not see it. The bound is far higher for a client that reads: it is answered at
+        the pace its requests are handled. Nothing the reader waits for here waits for a packet
+        behind the paused read: a clean session's message loop goes on once a SUBSCRIBE's
+        retained messages are written, not acknowledged (``_send_acked``; when it awaited their
+        PUBACKs, behind the client's later SUBSCRIBEs, 4,300 pipelined got 12 SUBACKs in 60 s),
+        and while the reader waits here it does not wait for their acks either
+        (``RetainedAcks.reader_paused``; when it did, at ``MAX_RETAINED_ACKS``, 2,200 of 8,600
+        retained QoS 2 messages timed out); their waits do not time out (``never_expire``)."""
+        congested = self._transport.congested
+        bound = MAX_UNDER_WAY if congested else MAX_UNDER_WAY_READ
+        tasks, changes = len(self._running), len(self._changes)
+        if tasks < bound and changes < bound:
+            return
+        why = "it reads its answers slower than they are written" if congested else "whatever it reads"
+        self._log_pause(f"{tasks} of its packets are being handled, {changes} SUBSCRIBE/UNSUBSCRIBE(s) wait ({why})")
+        self._resume_at = bound // 2
+        waits = [asyncio.ensure_future(self._fewer_under_way())]
+        if congested:
+            waits.append(asyncio.ensure_future(self._drained()))
+        limit = 1.5 * self._session.keep_alive if self._session.keep_alive > 0 else None
+        self._retained_acks.reader_paused(True)
+        try:
+            if not await self._waited_with_progress(waits, limit):
+                # MQTT-3.1.2-24 could not see the silence of a half-open client: the reader waited
+                log.info(UNREAD, self._session.client_id)
+                await end_connection(self._handler)
+        finally:
+            self._retained_acks.reader_paused(False)
+            for wait in waits:
+                wait.cancel()
+
+    def _progress(self) -> tuple[int, int, int]:
+        """What moves while a paused connection gets on: unsent bytes (fewer once its client
+        reads some), handlers done, changes waiting (fewer once the message loop applies some)."""
+        return self._transport.unsent_bytes, self._handlers_done, len(self._changes)
+
+    async def _waited_with_progress(self, waits: list[asyncio.Task[None]], limit: float | None) -> bool:
+        """Waits for the first of ``waits``; False once nothing got on (``_progress``: fewer bytes
+        unsent, a handler done, fewer changes waiting) for ``limit`` seconds, looked at
+        ``PROGRESS_CHECKS`` times in each: a client reading slowly but steadily is not ended."""
+        if limit is None:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        last = self._progress()
+        while True:
+            done, _ = await asyncio.wait(waits, timeout=limit / PROGRESS_CHECKS, return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                return True
+            now = self._progress()
+            if now[0] < last[0] or now[1] > last[1] or now[2] < last[2]:
+                deadline = loop.time() + limit
+            elif loop.time() >= deadline:
+                return False
+            last = now
+
+    async def _fewer_under_way(self) -> None:
+        """At most ``_resume_at`` handlers under way and fewer changes waiting (``_room``)."""
+        if len(self._running) > self._resume_at:
+            self._room_made.clear()
+            await self._room_made.wait()
+        await self._changes.fewer_than(self._resume_at)
+
+    async def _drained(self) -> None:
+        """The client read what was unsent past its write buffer's low-water mark (or the connection
+        ended: the reader then reads its EOF)."""
+        with contextlib.suppress(OSError):  # ConnectionError, TimeoutError, EHOSTUNREACH...
+            await self._transport.drain()
+
+    def _handled(self, task: asyncio.Task[None]) -> None:
+        """A handler is done: at ``_resume_at`` under way, ``_room`` lets the reader on."""
+        self._running.discard(task)
+        self._handlers_done += 1
+        if len(self._running) <= self._resume_at:
+            self._room_made.set()
 
     def _watch_silence(self) -> SilenceWatch | None:
         """MQTT-3.1.2-24 on amqtt's own loop, which never ends a silent connection (see silence.py):
@@ -3950,18 +4240,23 @@ class FastReader:
     async def _read_loop(self, stream: asyncio.StreamReader, keepalive: float | None) -> None:
         """Read and handle packets until EOF or ``keepalive`` seconds of silence."""
         framing = PacketReader(self._max_packet_size)
-        while True:
-            data = await _read_some(stream, keepalive)
-            if data is None:
-                log.info(SILENT, self._session.client_id)
-                return
-            if not data:
-                return  # EOF
-            packets = framing.feed(data)
-            if packets:
-                await self._dispatch_all(packets)
-            if self._handler.durable_ended:
-                return  # the server ended the connection: nothing read after is handled
+        try:
+            while True:
+                data = await _read_some(stream, keepalive)
+                if data is None:
+                    log.info(SILENT, self._session.client_id)
+                    return
+                if not data:
+                    return  # EOF
+                packets = framing.feed(data)
+                if packets:
+                    await self._dispatch_all(packets)
+                if self._handler.durable_ended:
+                    return  # the server ended the connection: nothing read after is handled
+        finally:
+            # No ack can come any more: the message loop does not wait for room (a client that
+            # shut its socket for writing still gets every SUBSCRIBE it sent answered).
+            self._retained_acks.ending()
 
     async def run(self) -> None:
         handler = self._handler
@@ -3979,6 +4274,7 @@ class FastReader:
                     watch.stop()
             return
         stream = handler.reader._reader
+        self._retained_acks.never_expire()
         # MQTT-3.1.2-24: silent for 1.5 keep-alive periods means gone (amqtt only logs it, which
         # would leave a half-open device's session "connected" forever, its queue stalled).
         keepalive = 1.5 * self._session.keep_alive if self._session.keep_alive > 0 else None
@@ -4007,6 +4303,7 @@ class FastReader:
                 await asyncio.wait(list(self._settling), timeout=CLOSE_GRACE)
         for task in list(running):
             task.cancel()
+            task.add_done_callback(partial(_cancelled_by_the_end, self._session.client_id))
         await handler.handle_connection_closed()
         handler._reader_stopped.set()
         await handler.stop()

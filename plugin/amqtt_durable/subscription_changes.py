@@ -28,6 +28,8 @@ class SubscriptionChanges(Generic[Change]):
         self._empty = asyncio.Event()
         """Set while no change waits or is being applied (or the queue is closed)."""
         self._empty.set()
+        self._taken = asyncio.Event()
+        """Set as a change is done or the queue closed (``fewer_than`` waits for it)."""
         self._applying: Change | None = None
         """The head ``start()`` began applying, until ``done()``: it is not dropped."""
         self.closed = False
@@ -68,6 +70,7 @@ class SubscriptionChanges(Generic[Change]):
             self._changes.popleft()
         if not self._changes:
             self._empty.set()
+        self._taken.set()
 
     def close(self) -> int:
         """No change is handed out any more (the message loop ended, or the connection's end stopped
@@ -80,7 +83,15 @@ class SubscriptionChanges(Generic[Change]):
         self._changes.clear()
         self.closed = True
         self._empty.set()
+        self._taken.set()
         return dropped
+
+    async def fewer_than(self, count: int) -> None:
+        """Waits until fewer than ``count`` changes wait or are being applied (or the queue is
+        closed): each pass of the loop follows one change done."""
+        while len(self._changes) >= count and not self.closed:
+            self._taken.clear()
+            await self._taken.wait()
 
     async def drained(self) -> None:
         """Waits until every change that arrived has been applied (or the queue is closed); the

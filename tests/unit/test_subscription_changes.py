@@ -145,3 +145,30 @@ def test_a_change_handed_out_but_not_started_when_closed_is_dropped_and_counted(
         assert await drained_within(changes, 0.01)
 
     run(main)
+
+
+def test_fewer_than_waits_until_enough_changes_are_done_or_the_queue_closes() -> None:
+    """The reader's bound (FastReader._room): it reads on once fewer than ``count`` changes wait."""
+
+    async def main() -> None:
+        changes: SubscriptionChanges[str] = SubscriptionChanges()
+        await changes.fewer_than(1)  # none waits: at once
+        for index in range(4):
+            changes.add(f"sub {index}")
+        waiter = asyncio.ensure_future(changes.fewer_than(2))
+        for _ in range(3):
+            await asyncio.sleep(0)  # a pass of the waiter
+            assert not waiter.done(), f"done with {len(changes)} waiting"
+            change = await changes.next()
+            assert changes.start(change)
+            changes.done(change)
+        await asyncio.wait_for(waiter, BOUND)
+        assert len(changes) == 1
+        changes.add("sub 4")
+        closed = asyncio.ensure_future(changes.fewer_than(1))
+        await asyncio.sleep(0)
+        assert not closed.done()
+        changes.close()
+        await asyncio.wait_for(closed, BOUND)
+
+    run(main)
