@@ -123,9 +123,12 @@ class PortCursor:
     apart, wrapping round at its end: ``stride`` shares no factor with the block's length, so a port
     comes back only after every other port of the block was handed out, and the port of a broker
     that stopped (and may start again) is not given to a new one. A port that is not ``bindable``
-    is passed over; RuntimeError when none of the block is. Thread-safe."""
+    is passed over (``free``: whether a port can be bound now); RuntimeError when none of the block
+    is. Thread-safe."""
 
-    def __init__(self, block: range, start: int = 0, stride: int = 1) -> None:
+    def __init__(
+        self, block: range, start: int = 0, stride: int = 1, free: Callable[[int, str], bool] | None = None
+    ) -> None:
         if not block:
             raise ValueError("a PortCursor needs at least one port")
         if math.gcd(stride, len(block)) != 1:
@@ -134,13 +137,14 @@ class PortCursor:
         self._next = start % len(block)
         self._stride = stride % len(block) or 1
         self._lock = threading.Lock()
+        self._free = bindable if free is None else free
 
     def take(self, host: str = HOST) -> int:
         with self._lock:
             for _ in range(len(self.block)):  # each port of the block at most once
                 port = self.block[self._next]
                 self._next = (self._next + self._stride) % len(self.block)
-                if bindable(port, host):
+                if self._free(port, host):
                     return port
         raise RuntimeError(
             f"no free port on {host} among the {len(self.block)} ports {self.block[0]}-{self.block[-1]}:"

@@ -357,10 +357,16 @@ def test_a_port_a_closed_connection_holds_in_time_wait_is_passed_over() -> None:
         reuse.bind(("127.0.0.1", port))
 
 
+def every_port_free(port: int, host: str) -> bool:
+    """The cursors' order alone, whatever holds these ports on the machine now (the suite's own brokers
+    draw from the same pool: a port one holds was passed over and the round went wrong)."""
+    return True
+
+
 def test_a_cursor_of_any_stride_that_shares_no_factor_hands_out_every_port_before_one_again() -> None:
     block = range(20000, 20012)
     for stride in (1, 5, 7, 11):
-        cursor = PortCursor(block, start=3, stride=stride)
+        cursor = PortCursor(block, start=3, stride=stride, free=every_port_free)
         first_round = [cursor.take() for _ in range(len(block))]
         assert sorted(first_round) == list(block), stride
         assert [cursor.take() for _ in range(len(block))] == first_round, stride
@@ -377,7 +383,7 @@ def test_two_cursors_that_meet_part_at_once() -> None:
     assert len(strides) > 1 and all(math.gcd(stride, len(block)) == 1 for stride in strides)
 
     def side_by_side(one: int, other: int) -> list[bool]:
-        ours, theirs = PortCursor(block, 100, one), PortCursor(block, 100, other)
+        ours, theirs = PortCursor(block, 100, one, every_port_free), PortCursor(block, 100, other, every_port_free)
         return [ours.take() == theirs.take() for _ in range(200)]
 
     assert all(side_by_side(1, 1)), "one stride for both: every port handed out twice at once"
