@@ -1009,32 +1009,6 @@ def test_a_late_reading_clean_client_gets_every_live_qos2_messages_pubrel(
     assert given_up not in log and IGNORED not in log and "Traceback" not in log, log[-3000:]
 
 
-def test_a_pubrec_sent_again_while_the_pubcomp_is_awaited_gets_its_pubrel_again(either_reader: Broker) -> None:
-    """MQTT 3.1.1 section 4.3.3: the sender of a QoS 2 message answers each PUBREC with a PUBREL. A clean
-    client that sends its PUBREC twice gets the PUBREL twice, and its PUBCOMP ends the wait (the
-    second PUBREC was ignored as one nothing awaits)."""
-    pub = raw_connect(either_reader.port, "pub", clean=True, keepalive=0)
-    sock = raw_connect(either_reader.port, "twice", clean=True, keepalive=0)
-    sock.sendall(subscribe(0, "live/#", 2))
-    assert read_packet(sock)[0] == 0x90
-    pub.sendall(publish_packet(b"live/1", b"v", 2))
-    assert read_packet(pub) == (0x50, b"\x00\x01")
-    pub.sendall(b"\x62\x02\x00\x01")  # PUBREL
-    assert read_packet(pub) == (0x70, b"\x00\x01")
-    first, body = read_packet(sock)
-    assert first == 0x34, first
-    message_id = body[2 + int.from_bytes(body[:2], "big") :][:2]
-    for _ in range(2):
-        sock.sendall(b"\x50\x02" + message_id)  # PUBREC
-        assert read_packet(sock) == (0x62, message_id)  # PUBREL
-    sock.sendall(b"\x70\x02" + message_id + PINGREQ)  # PUBCOMP
-    assert read_packet(sock) == (0xD0, b"")
-    sock.sendall(b"\x50\x02" + message_id + PINGREQ)  # once the PUBCOMP came, nothing awaits it
-    assert read_packet(sock) == (0xD0, b"")
-    log = either_reader.log()
-    assert log.count(IGNORED) == 1 and "PUBREC of packet id" in log and "Traceback" not in log, log[-3000:]
-
-
 @pytest.mark.parametrize("qos", [1, 2])
 def test_a_clean_client_that_acks_keeps_receiving_past_max_pending_clean_messages_in_all(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], qos: int

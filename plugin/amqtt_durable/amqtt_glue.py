@@ -2323,9 +2323,7 @@ def _intercept_acks(handler: Any, unexpected: LogBudget) -> None:
 def _ack_interceptor(
     handler: Any, kind: AckKind, original: Callable[[Any], Awaitable[None]], unexpected: LogBudget
 ) -> Callable[[Any], Awaitable[None]]:
-    """Acks of pump-sent messages go to the pump; one amqtt waits for to its waiter. A PUBREC again
-    for a clean session's message whose PUBCOMP is awaited (``durable_retained_acks``) gets its
-    PUBREL again (MQTT 3.1.1 section 4.3.3: the PUBREC is answered each time it comes). Any other is
+    """Acks of pump-sent messages go to the pump; one amqtt waits for to its waiter. Any other is
     ignored with a WARNING at most once per ``drop_log_interval`` (``unexpected``, the connection's):
     amqtt logged one per packet, so a client sending 4-byte acks of ids nothing awaits wrote some
     100 bytes of log for each."""
@@ -2337,9 +2335,6 @@ def _ack_interceptor(
         waiter = getattr(handler, f"_{kind}_waiters").get(packet_id)
         if waiter is not None and not waiter.done():
             await original(packet)
-            return
-        if kind == "pubrec" and handler.durable_retained_acks.awaits(packet_id, "pubcomp"):
-            handler.durable_transport.write(encode_pubrel(packet_id))
             return
         left_out = unexpected.take()
         if left_out is not None:
