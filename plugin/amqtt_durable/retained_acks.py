@@ -18,8 +18,9 @@ ACK_TIMEOUT = 5.0
 """Seconds a client has to acknowledge a message on amqtt's own loop (amqtt's ack timeout)."""
 MAX_RETAINED_ACKS = 4096
 """Retained waits of one connection at which its message loop sends no more retained messages
-until half that are done, while its reader reads (``room``). Looked at once per SUBSCRIBE: 4,095
-plus one SUBSCRIBE's matches may wait. Live waits do not count (``max_pending_clean`` bounds them)."""
+until half that are done, while its reader reads (``room``). Looked at once per filter of a
+SUBSCRIBE (amqtt sends each filter's in turn): 4,095 plus one filter's matches may wait. Live
+waits do not count (``max_pending_clean`` bounds them)."""
 MAX_PACKET_ID = 65535
 
 
