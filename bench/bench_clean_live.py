@@ -159,7 +159,7 @@ def render(
             "(ratio columns: median (min-max) of the per-run ratios).",
             "",
         ]
-    lines.append("Set-ups: " + "; ".join(f"{k}: {v}" for k, v in titles.items()) + ".")
+    lines.append("Set-ups: " + "; ".join(f"{LABELS[k]}: {v}" for k, v in titles.items()) + ".")
     return lines
 
 
