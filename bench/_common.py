@@ -543,11 +543,19 @@ def snapshot_packages(package_dirs: Sequence[Path], dest: Path, *, git_root: Pat
     return dest
 
 
+def ref_revision(root: Path, ref: str = "HEAD") -> str:
+    """`<short hash> <subject>` of git ``ref``."""
+    try:
+        return subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %s", ref], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def git_revision(root: Path, watched: Sequence[str]) -> str:
     """`<short hash> <subject>` of HEAD, plus a warning when any of the `watched` paths has uncommitted changes."""
+    head = ref_revision(root)
     try:
-        head = subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %s"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", *watched],
                                capture_output=True, text=True, timeout=10, check=True).stdout.split("\n")
     except (OSError, subprocess.SubprocessError):

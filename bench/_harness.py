@@ -207,18 +207,18 @@ class Ctx:
 
 
 def start_publisher(ctx: Ctx, b: BrokerProcess, *, pub_id: str, topic: str, tag: bytes, n: int, timeout: float,
-                    progress: float = 0.0) -> ClientProcess:
+                    progress: float = 0.0, qos: int = 1) -> ClientProcess:
     spec = PubSpec(b.port, pub_id, ctx.login, topic, tag, n, ctx.args.inflight, timeout, progress, ctx.client_cpus,
-                   flush_topic=f"bench-flush/{pub_id}")
+                   flush_topic=f"bench-flush/{pub_id}", qos=qos)
     return ClientProcess(f"{b.name} publisher", publisher_main, spec)
 
 
 def sub_spec(ctx: Ctx, b: BrokerProcess, *, sub_id: str, tag: bytes, n: int, timeout: float, clean: bool = False,
              subscribe: str | None = None, idle: float | None = None, need_session: bool = False,
-             after_first: float | None = None, record_latency: bool = False) -> SubSpec:
+             after_first: float | None = None, record_latency: bool = False, qos: int = 1) -> SubSpec:
     return SubSpec(b.port, sub_id, ctx.login, clean, tag, n, timeout, idle=idle, subscribe=subscribe,
                    need_session=need_session, after_first=after_first, record_latency=record_latency,
-                   cpus=ctx.client_cpus)
+                   cpus=ctx.client_cpus, qos=qos)
 
 
 def drop_session(ctx: Ctx, b: BrokerProcess, sub_id: str, timeout: float = 30.0) -> None:
@@ -229,20 +229,29 @@ def drop_session(ctx: Ctx, b: BrokerProcess, sub_id: str, timeout: float = 30.0)
 
 
 def live_run(ctx: Ctx, b: BrokerProcess, *, scenario: str, n: int, clean: bool,
-             record_latency: bool) -> tuple[PublishResult, ReceiveResult, str]:
-    """Subscriber process subscribed (QoS1), publisher process publishes n; both run to completion."""
+             record_latency: bool, qos: int = 1) -> tuple[PublishResult, ReceiveResult, str]:
+    """Subscriber process subscribed (at ``qos``), publisher process publishes n (at ``qos``); both run to
+    completion."""
     tag = ctx.tag()
     topic, sub_id, pub_id = ctx.ids(scenario, b.name, tag)
     spec = sub_spec(ctx, b, sub_id=sub_id, tag=tag, n=n, timeout=ctx.args.timeout + RESULT_MARGIN_S, clean=clean,
-                    subscribe=topic, idle=ctx.args.idle, record_latency=record_latency)
+                    subscribe=topic, idle=ctx.args.idle, record_latency=record_latency, qos=qos)
     with (ClientProcess(f"{b.name} subscriber", subscriber_main, spec) as sub,
-          start_publisher(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=n, timeout=ctx.args.timeout) as pub):
+          start_publisher(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=n, timeout=ctx.args.timeout,
+                          qos=qos) as pub):
         sub.expect("ready", CLIENT_START_S)
         pr = run_publisher(pub, ctx.args.timeout)
         if pr.flush_error:
             ctx.results.note(f"{b.name}: publisher {pub_id}: {pr.flush_error}")
         res: ReceiveResult = sub.expect("result", spec.timeout + RESULT_MARGIN_S)
     return pr, res, sub_id
+
+
+def live_rate(pr: PublishResult, res: ReceiveResult) -> float | None:
+    """End-to-end msgs/s of a live run: the publisher's first send to the subscriber's last new message."""
+    if res.unique and res.t_last_ns > pr.t_first_send_ns:
+        return res.unique / ((res.t_last_ns - pr.t_first_send_ns) / 1e9)
+    return None
 
 
 def warmup(ctx: Ctx, b: BrokerProcess) -> None:
@@ -269,45 +278,57 @@ def build_brokers(args: argparse.Namespace, tmp: Path, ours_settings: dict[str, 
     brokers[STOCK] = BrokerProcess(STOCK, [str(VENV_BIN / "amqtt"), "-c", str(stock_cfg)], stock_port,
                                    tmp / "stock.log", login, cpus)
 
-    ours_port = free_port()  # not stock_port: free_port hands out every other port of its block before one again
-    ours_cfg = tmp / "ours.yaml"
     store: Path | None = None
     if args.ours_standin:
+        ours_port = free_port()  # not stock_port: free_port hands out every other port of its block before one again
+        ours_cfg = tmp / "ours.yaml"
         write_config(ours_cfg, {"listeners": listener_config(ours_port), "plugins": stock_plugins})
         brokers[OURS] = BrokerProcess(OURS, [str(VENV_BIN / "amqtt"), "-c", str(ours_cfg)], ours_port,
                                       tmp / "ours.log", login, cpus)
     else:
-        store = tmp / "store"
-        depth = max(2_000_000, 2 * args.big)
-        write_config(ours_cfg, {
-            "listeners": listener_config(ours_port),
-            "plugins": {
-                "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
-                "amqtt_durable.DurableSessionsPlugin": {
-                    "store": str(store),
-                    "max_depth": depth,
-                    "max_depth_disconnected": depth,
-                    "recovery_buffer": 100,
-                    "session_expiry": 3600,
-                    **(ours_settings or {}),
-                },
-            },
-        })
-        env: dict[str, str] | None = None
-        if args.ours_cmd:
-            prefix = shlex.split(args.ours_cmd)
-        elif args.snapshot:
-            # PYTHONPATH comes before the editable install's .pth entry, so the copy is what gets imported
-            env = {**os.environ, "PYTHONPATH": str(snapshot_packages([PLUGIN_DIR, PROTOCOL_DIR], tmp / "snapshot"))}
-            prefix = [str(VENV_BIN / "python"), "-m", "amqtt_durable.cli", "broker"]
-        else:
-            prefix = [str(VENV_BIN / "amqtt-durable"), "broker"]
-        argv = [*prefix, "-c", str(ours_cfg)]
-        brokers[OURS] = BrokerProcess(OURS, argv, ours_port, tmp / "ours.log", login, cpus, env)
+        code = snapshot_packages([PLUGIN_DIR, PROTOCOL_DIR], tmp / "snapshot") if args.snapshot else None
+        brokers[OURS], store = durable_broker(args, tmp, OURS, ours_settings, code=code)
     if mosquitto is not None:
         brokers[MOSQUITTO] = mosquitto_broker(mosquitto, tmp / "mosquitto", free_port(), login,
                                               max_queued=max(2_000_000, 2 * args.big), cpus=cpus)
     return brokers, store
+
+
+def durable_broker(args: argparse.Namespace, tmp: Path, name: str, settings: dict[str, object] | None = None, *,
+                   code: Path | None = None) -> tuple[BrokerProcess, Path]:
+    """amqtt-durable as ``name`` (config, log and store named after it in ``tmp``), with its store; run by
+    --ours-cmd, else from ``code`` (package copies: a snapshot, or another revision's), else the installed
+    command. ``settings`` adds or overrides plugin settings."""
+    port = free_port()
+    cfg = tmp / f"{name}.yaml"
+    store = tmp / ("store" if name == OURS else f"{name}-store")
+    depth = max(2_000_000, 2 * args.big)
+    write_config(cfg, {
+        "listeners": listener_config(port),
+        "plugins": {
+            "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
+            "amqtt_durable.DurableSessionsPlugin": {
+                "store": str(store),
+                "max_depth": depth,
+                "max_depth_disconnected": depth,
+                "recovery_buffer": 100,
+                "session_expiry": 3600,
+                **(settings or {}),
+            },
+        },
+    })
+    env: dict[str, str] | None = None
+    if args.ours_cmd:
+        prefix = shlex.split(args.ours_cmd)
+    elif code is not None:
+        # PYTHONPATH comes before the editable install's .pth entry, so the copy is what gets imported
+        env = {**os.environ, "PYTHONPATH": str(code)}
+        prefix = [str(VENV_BIN / "python"), "-m", "amqtt_durable.cli", "broker"]
+    else:
+        prefix = [str(VENV_BIN / "amqtt-durable"), "broker"]
+    cpus = args.broker_cpus if args.pin else None
+    return BrokerProcess(name, [*prefix, "-c", str(cfg)], port, tmp / f"{name}.log", Login(USERNAME, PASSWORD),
+                         cpus, env), store
 
 
 def plugin_source_dir(args: argparse.Namespace, tmp: Path) -> Path:

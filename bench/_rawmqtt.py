@@ -3,7 +3,9 @@
 No MQTT library is in the measured path: the publisher sends pre-encoded QoS1 PUBLISH packets
 (at most `inflight` unacknowledged, PUBACKs parsed from the receive stream) and the subscriber
 parses PUBLISH packets itself and answers every QoS1 one with a PUBACK (all PUBACKs owed after
-one recv() go out in one sendall()).  Each client runs in its own process (multiprocessing,
+one recv() go out in one sendall()).  With qos=2 (PubSpec, SubSpec) both run MQTT's QoS 2 exchange
+instead: the publisher answers PUBREC with PUBREL and counts a message done at its PUBCOMP, the
+subscriber answers PUBLISH with PUBREC and PUBREL with PUBCOMP.  Each client runs in its own process (multiprocessing,
 "spawn"), reports over a Pipe, and is bounded by a deadline; the parent kills only the client
 processes it started, by their PID.  Only 127.0.0.1 is ever used.
 
@@ -76,15 +78,20 @@ def make_payload(tag: bytes, seq: int, sent_ns: int = 0) -> bytes:
     return PAYLOAD_HEADER.pack(tag, seq, sent_ns) + _PAYLOAD_PADDING
 
 
-def take_pubacks(buf: bytearray, outstanding: bytearray) -> tuple[int, int, int, bool]:
+def take_pubacks(buf: bytearray, outstanding: bytearray,
+                 pubrels: bytearray | None = None) -> tuple[int, int, int, bool]:
     """Consume the complete packets at the start of `buf`, clearing `outstanding[pid]` per PUBACK.
 
-    Returns (PUBACKs for outstanding ids, stray PUBACKs, other packets, whether any packet was read).
+    With `pubrels` (QoS 2) a PUBREC adds its PUBREL to `pubrels` and a PUBCOMP, not a PUBACK, ends a message.
+    Returns (acks for outstanding ids, stray acks, other packets, whether any packet was read).
     """
     packets, used = split_packets(buf)
     acked = stray = other = 0
+    done = 0x40 if pubrels is None else 0x70
     for first, start, _end in packets:
-        if first == 0x40:
+        if first == 0x50 and pubrels is not None:
+            pubrels += b"\x62\x02" + buf[start:start + 2]
+        elif first == done:
             pid = (buf[start] << 8) | buf[start + 1]
             if outstanding[pid]:
                 outstanding[pid] = 0
@@ -98,15 +105,15 @@ def take_pubacks(buf: bytearray, outstanding: bytearray) -> tuple[int, int, int,
 
 
 class PublishEncoder:
-    """n QoS1 PUBLISH packets to one topic, pre-encoded back to back in one buffer.
+    """n QoS1 (or `qos` 2) PUBLISH packets to one topic, pre-encoded back to back in one buffer.
 
     All packets have the same length, so packet k starts at k * size.  Packet ids run 1..65535 and
     wrap (safe with far fewer than 65535 in flight).  The send time inside the payload is patched
     in just before a packet is sent (`stamp`).
     """
 
-    def __init__(self, topic: str, tag: bytes, n: int) -> None:
-        template = publish_packet(topic, 1, make_payload(tag, 0))
+    def __init__(self, topic: str, tag: bytes, n: int, qos: int = 1) -> None:
+        template = publish_packet(topic, 1, make_payload(tag, 0), qos=qos)
         self.size = len(template)
         self.n = n
         pid_at = self.size - PAYLOAD_SIZE - 2
@@ -240,6 +247,7 @@ class PubSpec:
     # wait until it comes back: stock amqtt PUBACKs before it routes a message and drops what it has not routed
     # yet when the publisher disconnects, so the marker's return is the point where every message is routed.
     flush_topic: str | None = None
+    qos: int = 1  # of the n messages (the flush marker is QoS 1)
 
 
 @dataclass
@@ -277,11 +285,12 @@ class PublishResult:
         return None if secs is None else self.acked / secs
 
 
-def _publish(conn: RawConnection, enc: PublishEncoder, inflight: int, timeout: float,
-             progress_every: float) -> PublishResult:
+def _publish(conn: RawConnection, enc: PublishEncoder, inflight: int, timeout: float,  # noqa: PLR0917 - one call site
+             progress_every: float, qos: int) -> PublishResult:
     n = enc.n
     sock, buf = conn.sock, conn.buf
     outstanding = bytearray(65536)
+    pubrels = bytearray() if qos == 2 else None
     sent = acked = stray = other = 0
     t_first = t_last_ack = 0
     error: str | None = None
@@ -319,7 +328,14 @@ def _publish(conn: RawConnection, enc: PublishEncoder, inflight: int, timeout: f
             error = "connection closed by the broker"
             break
         buf += data
-        new_acks, new_stray, new_other, any_packet = take_pubacks(buf, outstanding)
+        new_acks, new_stray, new_other, any_packet = take_pubacks(buf, outstanding, pubrels)
+        if pubrels:
+            try:
+                sock.sendall(pubrels)
+            except OSError as exc:
+                error = f"send failed: {exc!r}"
+                break
+            pubrels.clear()
         acked += new_acks
         stray += new_stray
         other += new_other
@@ -388,7 +404,7 @@ def publisher_main(spec: PubSpec, pipe: Connection) -> None:
     conn: RawConnection | None = None
     try:
         _pin(spec.cpus)
-        enc = PublishEncoder(spec.topic, spec.tag, spec.n)
+        enc = PublishEncoder(spec.topic, spec.tag, spec.n, spec.qos)
         conn = RawConnection(spec.port, 30.0)
         conn.connect(spec.client_id, spec.login, clean=True, timeout=30.0)
         if spec.flush_topic is not None:
@@ -398,7 +414,7 @@ def publisher_main(spec: PubSpec, pipe: Connection) -> None:
             pipe.send(("error", "no 'go' from the parent"))
             return
         end_at = time.monotonic() + spec.timeout
-        result = _publish(conn, enc, spec.inflight, spec.timeout, spec.progress_every)
+        result = _publish(conn, enc, spec.inflight, spec.timeout, spec.progress_every, spec.qos)
         if spec.flush_topic is not None and result.acked == spec.n and result.error is None:
             try:
                 conn.sock.settimeout(0.5)
@@ -427,11 +443,12 @@ class SubSpec:
     n: int
     timeout: float  # whole receive phase, counted from CONNACK
     idle: float | None = None  # give up after this long without a new unique message
-    subscribe: str | None = None  # topic to SUBSCRIBE to at QoS1 (else rely on the stored session)
+    subscribe: str | None = None  # topic to SUBSCRIBE to at `qos` (else rely on the stored session)
     need_session: bool = False  # stop at once if CONNACK says session_present=0
     after_first: float | None = None  # stop this long after the first message (a probe)
     record_latency: bool = False
     cpus: tuple[int, ...] | None = None
+    qos: int = 1  # of the SUBSCRIBE (1 or 2)
 
 
 @dataclass
@@ -450,7 +467,7 @@ class ReceiveResult:
     foreign: int = 0  # not our tag / not our payload layout
     other_packets: int = 0
     publishes: int = 0  # PUBLISH packets received, ours or not
-    pubacks_sent: int = 0
+    pubacks_sent: int = 0  # acks sent (at QoS 2: PUBRECs and PUBCOMPs)
     p50_ms: float | None = None
     p99_ms: float | None = None
     end: str = ""
@@ -525,11 +542,8 @@ def _receive(conn: RawConnection, spec: SubSpec, res: ReceiveResult, pipe: Conne
                 qos = (first >> 1) & 3
                 i = pstart + 2 + ((buf[pstart] << 8) | buf[pstart + 1])
                 if qos:
-                    if qos == 1:
-                        acks += b"\x40\x02"
-                        acks += buf[i:i + 2]
-                    else:
-                        other += 1  # QoS2 is never requested by the bench
+                    acks += b"\x40\x02" if qos == 1 else b"\x50\x02"  # PUBACK, or QoS 2's PUBREC
+                    acks += buf[i:i + 2]
                     i += 2
                 if first & 0x08:
                     dup_flags += 1
@@ -558,12 +572,14 @@ def _receive(conn: RawConnection, spec: SubSpec, res: ReceiveResult, pipe: Conne
                     latencies.append(t - sent)
             elif first >> 4 == PT_SUBACK and waiting_suback:
                 waiting_suback = False
-                if buf[pstart + 2:pend] != b"\x01":
-                    raise RawMqttError(f"SUBACK {bytes(buf[pstart:pend])!r}: expected granted QoS 1")
+                if buf[pstart + 2:pend] != bytes((spec.qos,)):
+                    raise RawMqttError(f"SUBACK {bytes(buf[pstart:pend])!r}: expected granted QoS {spec.qos}")
                 pipe.send(("ready", conn.session_present))
                 last_progress = time.monotonic()
             elif first >> 4 == PT_PINGREQ:
                 acks += PINGRESP
+            elif first == 0x62:  # PUBREL of a QoS 2 message: PUBCOMP
+                acks += b"\x70\x02" + buf[pstart:pstart + 2]
             else:
                 other += 1
         del buf[:used]
@@ -592,7 +608,7 @@ def subscriber_main(spec: SubSpec, pipe: Connection) -> None:
         res.session_present = conn.connect(spec.client_id, spec.login, clean=spec.clean, timeout=30.0)
         res.t_connect_ns, res.t_connack_ns = conn.t_connect_ns, conn.t_connack_ns
         if spec.subscribe is not None:
-            conn.sock.sendall(encode_subscribe(1, spec.subscribe))  # "ready" follows the SUBACK
+            conn.sock.sendall(encode_subscribe(1, spec.subscribe, spec.qos))  # "ready" follows the SUBACK
         else:
             pipe.send(("ready", res.session_present))
         if spec.need_session and not res.session_present:

@@ -88,6 +88,7 @@ from _harness import (
     build_brokers,
     drop_session,
     fmt_runs,
+    live_rate,
     live_run,
     plugin_source_dir,
     start_publisher,
@@ -245,9 +246,7 @@ def scenario_a(ctx: Ctx, b: BrokerProcess) -> None:
     r = ctx.results
     pr, res, sub_id = live_run(ctx, b, scenario="a", n=n, clean=False, record_latency=True)
     drop_session(ctx, b, sub_id)
-    rate = None
-    if res.unique and res.t_last_ns > pr.t_first_send_ns:
-        rate = res.unique / ((res.t_last_ns - pr.t_first_send_ns) / 1e9)
+    rate = live_rate(pr, res)
     r.add(b.name, "a_rate", rate)
     r.add(b.name, "a_p50", res.p50_ms)
     r.add(b.name, "a_p99", res.p99_ms)

@@ -45,7 +45,6 @@ import random
 import shlex
 import ssl
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -78,6 +77,7 @@ from _common import (
     probe_connack,
     pub_summary,
     recv_summary,
+    ref_revision,
     run_in_temp_folder,
     run_publisher,
     snapshot_packages,
@@ -1033,7 +1033,7 @@ def run(args: argparse.Namespace, tmp: Path, report: Report, info: dict[str, str
     if args.baseline:
         args.baseline_path = snapshot_packages(list(WATCHED.values()), tmp / "baseline", git_root=ROOT,
                                                ref=args.baseline)
-        info["code"] += f"; baseline: copies of {args.baseline} ({ref_revision(args.baseline)})"
+        info["code"] += f"; baseline: copies of {args.baseline} ({ref_revision(ROOT, args.baseline)})"
     info["git"] = git_revision(ROOT, ["plugin", "client_sdk"])
     ctx = Ctx(args, tmp, LOGIN, report.ctx_notes, {}, None, args.client_cpus if args.pin else None)
     if "a" in args.only or "b" in args.only:
@@ -1050,15 +1050,6 @@ def run(args: argparse.Namespace, tmp: Path, report: Report, info: dict[str, str
             guarded(report, "d", lambda: scenario_d(ctx, report, etcd))
     finally:
         etcd.stop()
-
-
-def ref_revision(ref: str) -> str:
-    """`<short hash> <subject>` of git ``ref``."""
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %s", ref], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def guarded(report: Report, what: str, body: Callable[[], None]) -> None:
