@@ -782,7 +782,9 @@ def test_a_subscribe_whose_retained_messages_outnumber_the_packet_ids_skips_the_
     first 65,535 take every packet id, and the rest of that SUBSCRIBE's are not sent, one WARNING
     giving their count; a live QoS 1 message for it then is not sent either (the same WARNING,
     once drop_log_interval has passed). Another connection's PINGREQ is answered meanwhile (when
-    each of the 965 looked for an id through all 65,535, 62 ms with the event loop held: 32 s)."""
+    each of the 965 looked for an id through all 65,535, 62 ms with the event loop held: 32 s;
+    when the 65,535 were written without a turn for others, as a write the socket takes at once
+    does not yield: 1.7 s here, 6.5 s in a loaded CI; RETAINED_RUN at a time: 0.11 s)."""
     broker = broker_factory(drop_log_interval=1, max_subscriptions_per_client=0)
     pub = raw_connect(broker.port, "pub", clean=True, keepalive=0)
     publish_all(pub, [f"r/{i}" for i in range(RETAINED_PAST_THE_IDS)], retain=True)
@@ -821,7 +823,7 @@ def test_a_subscribe_whose_retained_messages_outnumber_the_packet_ids_skips_the_
         done.set()
         hog.shutdown(socket.SHUT_RDWR)
         reader.join(WAIT)
-    assert worst < 5, worst  # a liveness bound, not a benchmark
+    assert worst < 1, worst  # a liveness bound, not a benchmark: 0.11 s here, 1.7 s when the loop wrote all at once
     assert got[0] == ALL_IDS, got
     log = broker.log()
     assert log.count("retained message(s) not sent") == 1

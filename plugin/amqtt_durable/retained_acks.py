@@ -28,8 +28,15 @@ HELD_LOOKS = 8
 """Ids set aside as held (``PacketIds``) looked at again per take, once no other id is free."""
 
 
+REUSE_AFTER = 32
+"""Ids given back that a connection keeps before it takes them again instead of ids never given."""
+
+
 class PacketIds:
-    """Free packet ids: those never given, then those given back, oldest first. amqtt's
+    """Free packet ids: those never given while fewer than REUSE_AFTER were given back, then those
+    given back, oldest first, so a connection holds at most its most in flight at once plus
+    REUSE_AFTER ids given back (all 65,535, some 2.4 MB, once a long-lived one had sent that many
+    when ids never given went first), and an id given back waits REUSE_AFTER takes. amqtt's
     ``next_packet_id`` scanned up to all 65,535 per message (18.6 ms near a full table, the event
     loop held). An id met still held by amqtt (``taken``: the session's ``inflight_out``; the
     client's own ids are another set, MQTT 3.1.1 section 2.3.1) is set aside, out of the FIFO, so
@@ -47,14 +54,14 @@ class PacketIds:
         """Ids met while amqtt held them."""
 
     def take(self, taken: Container[int] = ()) -> int | None:
-        """A free id not in ``taken``, or None when none is. Ids never given go first, as amqtt's
-        cycle did: an id given back (a wait given up on amqtt's loop) is not the next one sent."""
+        """A free id not in ``taken``, or None when none is. An id given back (a wait given up on
+        amqtt's loop, whose ack may still come) is not the next one sent."""
         while True:  # bounded: each id met held leaves the FIFO
-            if self._fresh <= self._most:
+            if self._back and (len(self._back) >= REUSE_AFTER or self._fresh > self._most):
+                packet_id = self._back.popleft()
+            elif self._fresh <= self._most:
                 packet_id = self._fresh
                 self._fresh += 1
-            elif self._back:
-                packet_id = self._back.popleft()
             else:
                 break
             if packet_id not in taken:

@@ -16,7 +16,7 @@ from typing import Any
 from test_subscription_changes import BOUND, run
 
 from amqtt_durable.delivery import AckKind
-from amqtt_durable.retained_acks import HELD_LOOKS, MAX_PACKET_ID, PacketIds, RetainedAcks
+from amqtt_durable.retained_acks import HELD_LOOKS, MAX_PACKET_ID, REUSE_AFTER, PacketIds, RetainedAcks
 
 TIMEOUT = 0.05
 """The ack timeout of these tests (amqtt's is 5 s)."""
@@ -76,6 +76,20 @@ def test_packet_ids_skip_those_amqtt_holds_and_come_back_once_given_back() -> No
     assert ids.take({4}) == 1  # 4 held meanwhile: set aside for later
     assert ids.take() == 4
     assert ids.take() is None
+
+
+def test_a_long_lived_connection_keeps_few_ids_given_back_and_reuses_none_at_once() -> None:
+    """A connection that sends 200,000 messages, each acked before the next, keeps using the first
+    REUSE_AFTER ids (when ids never given went first, all 65,535 ended in the FIFO: some 2.4 MB for
+    each long-lived connection), and an id given back is taken again only REUSE_AFTER takes later."""
+    ids = PacketIds()
+    last_taken: dict[int, int] = {}
+    for turn in range(200_000):
+        packet_id = ids.take()
+        assert packet_id is not None and packet_id <= REUSE_AFTER, (turn, packet_id)
+        assert turn - last_taken.get(packet_id, -REUSE_AFTER) >= REUSE_AFTER, (turn, packet_id)
+        last_taken[packet_id] = turn
+        ids.give_back(packet_id)
 
 
 def test_a_take_looks_at_one_id_whatever_is_held() -> None:
