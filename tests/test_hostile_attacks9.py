@@ -774,6 +774,39 @@ def publish_all(pub: socket.socket, topics: list[str], *, retain: bool, payload:
             assert read_exactly(pub, 4, deadline)[0] == 0x40  # PUBACK
 
 
+
+STALE_RUN = 10_000
+"""Retained messages a SUBSCRIBE brings in the stale-value test: many runs of RETAINED_RUN, so a live
+message lands while they are written."""
+
+
+def test_a_value_published_while_a_subscribes_retained_messages_go_out_is_the_last_the_client_gets(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """The retained messages a SUBSCRIBE brings go out RETAINED_RUN at a time, others served in between:
+    a new value of one of their topics published meanwhile reaches the subscriber live, and the value
+    it then gets last for that topic is the new one (review 334: the run's snapshot sent the old value
+    after the new, with retain=1, so the client ended with a value the broker no longer held)."""
+    broker = broker_factory()
+    pub = raw_connect(broker.port, "pub", clean=True, keepalive=0)
+    publish_all(pub, [f"s/{i}" for i in range(STALE_RUN)], retain=True)
+    sub = raw_connect(broker.port, "sub", clean=True, keepalive=0)
+    sub.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("s/#") + b"\x00"))
+    deadline = time.monotonic() + 10 * WAIT
+    assert read_packet(sub, deadline)[0] == 0x90
+    last = f"s/{STALE_RUN - 1}"
+    pub.sendall(mqtt_packet(0x31, mqtt_string(last) + b"new"))  # QoS 0, retained: the topic's new value
+    pub.sendall(PINGREQ)
+    assert read_packet(pub, deadline) == (0xD0, b"")  # read: it went out to every subscriber meanwhile
+    values: list[bytes] = []
+    for _ in range(STALE_RUN + 1):  # every retained message and the live one
+        first, body = read_packet(sub, deadline)
+        assert first >> 4 == 3, first
+        length = int.from_bytes(body[:2], "big")
+        if body[2 : 2 + length] == last.encode():
+            values.append(body[2 + length :])
+    assert values[-1] == b"new", values
+
 @pytest.mark.timeout(300)
 def test_a_subscribe_whose_retained_messages_outnumber_the_packet_ids_skips_the_rest_without_stalling_others(
     broker_factory: Callable[..., Broker],
@@ -823,7 +856,9 @@ def test_a_subscribe_whose_retained_messages_outnumber_the_packet_ids_skips_the_
         done.set()
         hog.shutdown(socket.SHUT_RDWR)
         reader.join(WAIT)
-    assert worst < 1, worst  # a liveness bound, not a benchmark: 0.11 s here, 1.7 s when the loop wrote all at once
+    # A liveness bound, not a benchmark: 0.11 s quiet, 0.73 s beside 8 busy loops; 1.7-2.9 s quiet, 6.5 s in a
+    # loaded CI, when the loop wrote them all at once.
+    assert worst < 2, worst
     assert got[0] == ALL_IDS, got
     log = broker.log()
     assert log.count("retained message(s) not sent") == 1

@@ -33,10 +33,12 @@ REUSE_AFTER = 32
 
 
 class PacketIds:
-    """Free packet ids: those never given while fewer than REUSE_AFTER were given back, then those
-    given back, oldest first, so a connection holds at most its most in flight at once plus
+    """Free packet ids: those never given while fewer than REUSE_AFTER acknowledged ones were given
+    back, then those, oldest first, so a connection holds at most its most in flight at once plus
     REUSE_AFTER ids given back (all 65,535, some 2.4 MB, once a long-lived one had sent that many
-    when ids never given went first), and an id given back waits REUSE_AFTER takes. amqtt's
+    when ids never given went first), and an id given back goes behind REUSE_AFTER - 1 others.
+    The id of a wait given up (amqtt's own loop, 5 s after the write: its ack may still come) is
+    taken only once no other is free, so a late ack does not meet a newer message. amqtt's
     ``next_packet_id`` scanned up to all 65,535 per message (18.6 ms near a full table, the event
     loop held). An id met still held by amqtt (``taken``: the session's ``inflight_out``; the
     client's own ids are another set, MQTT 3.1.1 section 2.3.1) is set aside, out of the FIFO, so
@@ -49,7 +51,9 @@ class PacketIds:
         self._fresh = 1
         """The lowest id never given."""
         self._back: deque[int] = deque()
-        """Ids given back."""
+        """Ids given back, acknowledged."""
+        self._given_up: deque[int] = deque()
+        """Ids of waits given up, taken last."""
         self._held: deque[int] = deque()
         """Ids met while amqtt held them."""
 
@@ -62,6 +66,8 @@ class PacketIds:
             elif self._fresh <= self._most:
                 packet_id = self._fresh
                 self._fresh += 1
+            elif self._given_up:
+                packet_id = self._given_up.popleft()
             else:
                 break
             if packet_id not in taken:
@@ -74,8 +80,8 @@ class PacketIds:
             self._held.append(packet_id)
         return None
 
-    def give_back(self, packet_id: int) -> None:
-        self._back.append(packet_id)
+    def give_back(self, packet_id: int, given_up: bool = False) -> None:
+        (self._given_up if given_up else self._back).append(packet_id)
 
 
 class RetainedAcks:
@@ -157,12 +163,12 @@ class RetainedAcks:
             self._timer = loop.call_at(deadline, self._expire)
         return True
 
-    def done(self, packet_id: int) -> None:
-        """Its last ack came (or its send failed, or its wait ended): its id is free again."""
+    def done(self, packet_id: int, given_up: bool = False) -> None:
+        """Its last ack came (or its send failed, or its wait ended, ``given_up``): its id is free again."""
         entry = self._waits.pop(packet_id, None)
         if entry is None:
             return
-        self.ids.give_back(packet_id)
+        self.ids.give_back(packet_id, given_up)
         if entry[2]:
             self._retained -= 1
             if self._retained <= self._most // 2:
@@ -184,7 +190,7 @@ class RetainedAcks:
                 break
             due.append((packet_id, kind))
         for packet_id, kind in due:
-            self.done(packet_id)
+            self.done(packet_id, given_up=True)
             self._expired(packet_id, kind)
         if self._waits and self._timer is None:
             self._timer = loop.call_at(next(iter(self._waits.values()))[1], self._expire)

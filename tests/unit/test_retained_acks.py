@@ -78,10 +78,25 @@ def test_packet_ids_skip_those_amqtt_holds_and_come_back_once_given_back() -> No
     assert ids.take() is None
 
 
+def test_the_id_of_a_wait_given_up_is_taken_only_once_no_other_is_free() -> None:
+    """On amqtt's own loop a wait is given up 5 s after its write and its ack may still come: its id
+    must not meet a newer message while another is free (review 334: with acknowledged ones it came
+    back after 32 takes, or at once)."""
+    ids = PacketIds(most=40)
+    taken = [ids.take() for _ in range(REUSE_AFTER + 2)]
+    ids.give_back(1, given_up=True)
+    for packet_id in taken[1:]:
+        assert packet_id is not None
+        ids.give_back(packet_id)
+    while (packet_id := ids.take()) not in (None, 1):  # bounded: 40 ids
+        pass
+    assert packet_id == 1 and ids.take() is None
+
+
 def test_a_long_lived_connection_keeps_few_ids_given_back_and_reuses_none_at_once() -> None:
     """A connection that sends 200,000 messages, each acked before the next, keeps using the first
     REUSE_AFTER ids (when ids never given went first, all 65,535 ended in the FIFO: some 2.4 MB for
-    each long-lived connection), and an id given back is taken again only REUSE_AFTER takes later."""
+    each long-lived connection), and an id given back goes behind REUSE_AFTER - 1 others."""
     ids = PacketIds()
     last_taken: dict[int, int] = {}
     for turn in range(200_000):
