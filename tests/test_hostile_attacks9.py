@@ -342,6 +342,18 @@ GROWTH_KB = 60_000
 """A wide bound on the broker's growth through the flood (before: over 150 MB; now: a few MB)."""
 
 
+
+def small_window_client(port: int, client_id: str, **connect: Any) -> socket.socket:
+    """A connected client (``connect_packet``'s options) whose socket receive buffer is 4 KiB, set before
+    the connect: what it does not read backs up in the broker, not in its kernel."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(WAIT)
+    sock.connect((HOST, port))
+    sock.sendall(connect_packet(client_id, **connect))
+    assert read_exactly(sock, 4) == CONNACK_ACCEPTED
+    return sock
+
 def pause_logged(broker: Broker, client_id: str) -> bool:
     return f"reading from {client_id} paused: " in broker.log()
 
@@ -412,12 +424,7 @@ def test_pipelined_packets_whose_answers_are_never_read_pause_the_reader_and_oth
     broker = broker_factory(drop_log_interval=3600)
     assert broker.proc is not None
     before = memory_kb(broker.proc.pid, "VmRSS")
-    attacker = socket.socket()
-    attacker.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # read nothing, hold little
-    attacker.settimeout(WAIT)
-    attacker.connect((HOST, broker.port))
-    attacker.sendall(connect_packet("flooder"))
-    assert read_exactly(attacker, 4) == CONNACK_ACCEPTED
+    attacker = small_window_client(broker.port, "flooder")
     sent, rest = flood(attacker, packet, most, lambda: pause_logged(broker, "flooder"))
     assert wait_until(lambda: pause_logged(broker, "flooder"), WAIT), broker.log()[-3000:]
     assert connack_within(broker.port, WAIT), "a new client was not served during the flood"
@@ -442,12 +449,7 @@ def test_a_paused_connection_whose_client_reads_nothing_for_its_keep_alive_is_en
     silence, but a client that reads none of its answers for 1.5 keep-alive periods while the reader
     waits for it is disconnected (INFO naming it), as a silent one would be (before: open for ever)."""
     broker = broker_factory(drop_log_interval=3600)
-    attacker = socket.socket()
-    attacker.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    attacker.settimeout(WAIT)
-    attacker.connect((HOST, broker.port))
-    attacker.sendall(connect_packet("half-open", keepalive=4))  # the flood stops at the pause
-    assert read_exactly(attacker, 4) == CONNACK_ACCEPTED
+    attacker = small_window_client(broker.port, "half-open", keepalive=4)  # the flood stops at the pause
     flood(attacker, lambda i: PINGREQ, 3_000_000, lambda: pause_logged(broker, "half-open"))
     assert wait_until(lambda: pause_logged(broker, "half-open"), WAIT), broker.log()[-3000:]
     unread = "half-open: no answer read, no packet handled, no SUBSCRIBE/UNSUBSCRIBE applied for 1.5 keep-alive periods"
@@ -473,12 +475,7 @@ def test_a_connection_paused_at_the_higher_bound_that_gets_nowhere_for_its_keep_
         for j in range(i, min(HALF_OPEN_SUBSCRIBES, i + 500)):
             pub.paho.publish(f"r/{j}", bytes(4096), qos=1, retain=True)
         pub.publish("sync", [b"x"], qos=1)
-    attacker = socket.socket()
-    attacker.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    attacker.settimeout(WAIT)
-    attacker.connect((HOST, broker.port))
-    attacker.sendall(connect_packet("half-open-4096", keepalive=2))
-    assert read_exactly(attacker, 4) == CONNACK_ACCEPTED
+    attacker = small_window_client(broker.port, "half-open-4096", keepalive=2)
     attacker.sendall(
         b"".join(
             mqtt_packet(0x82, (i + 1).to_bytes(2, "big") + mqtt_string(f"r/{i}") + b"\x00")
@@ -718,12 +715,7 @@ def test_an_ack_read_seconds_later_behind_a_paused_reader_is_still_taken(
         publisher.publish("r/1", [b"kept"], qos=qos, retain=True)
     for i in range(BIG_RETAINED):
         publisher.publish(f"big/{i}", [bytes(256 * 1024)], qos=1, retain=True)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(WAIT)
-    sock.connect((HOST, broker.port))
-    sock.sendall(connect_packet("late-acker", clean=True, keepalive=0))  # no keep-alive: never ended
-    assert read_exactly(sock, 4) == CONNACK_ACCEPTED
+    sock = small_window_client(broker.port, "late-acker", clean=True, keepalive=0)  # no keep-alive: never ended
     sock.sendall(subscribe(0, "r/1" if kind == "retained" else "live/#", qos))
     assert read_packet(sock)[0] == 0x90
     if kind == "live":
@@ -982,12 +974,7 @@ def test_retained_qos2_messages_read_seconds_later_behind_megabytes_all_get_thei
     publisher = clients(broker.port, "retainer", clean_session=True)
     for i in range(BIG_RETAINED):
         publisher.publish(f"big/{i}", [bytes(256 * 1024)], qos=2, retain=True)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(WAIT)
-    sock.connect((HOST, broker.port))
-    sock.sendall(connect_packet("slow-reader", clean=True, keepalive=0))
-    assert read_exactly(sock, 4) == CONNACK_ACCEPTED
+    sock = small_window_client(broker.port, "slow-reader", clean=True, keepalive=0)
     sock.sendall(subscribe(1, "big/+", 2))
     written = time.monotonic()
     given_up = "came within 5 s of its write"
@@ -1017,12 +1004,7 @@ def test_a_late_reading_clean_client_gets_every_live_qos2_messages_pubrel(
     written: none of the 50 got its PUBREL, so the client never delivered them)."""
     broker = broker_factory(drop_log_interval=3600)
     publisher = clients(broker.port, "live-publisher", clean_session=True)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(WAIT)
-    sock.connect((HOST, broker.port))
-    sock.sendall(connect_packet("late-reader", clean=True, keepalive=0))
-    assert read_exactly(sock, 4) == CONNACK_ACCEPTED
+    sock = small_window_client(broker.port, "late-reader", clean=True, keepalive=0)
     sock.sendall(subscribe(0, "live/#", 2))
     assert read_packet(sock)[0] == 0x90
     publisher.publish("live/1", [bytes(128 * 1024)] * LIVE, qos=2)
