@@ -162,6 +162,8 @@ def test_a_relayed_handshake_then_a_hello_of_its_own_gets_nothing_from_the_prima
         asyncio.run(main())
     assert "refused a connection from 127.0.0.1:" in caplog.text
     assert "frame 0 from the peer failed its MAC" in caplog.text
+    refusals = [record.getMessage() for record in caplog.records if "refused a connection" in record.getMessage()]
+    assert refusals and all(line.count("replication:") == 1 for line in refusals), refusals  # said once
 
 
 def test_a_relayed_handshake_then_a_forged_snapshot_leaves_the_backups_store_as_it_was(

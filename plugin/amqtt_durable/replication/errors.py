@@ -65,15 +65,17 @@ def channel_ended(exc: BaseException) -> str:
 class FrameMacError(ReplicationError):
     """A frame after the handshake of replication.secret failed its MAC (auth.Session): forged,
     altered, replayed or reordered on the way. Nothing in it is used; the connection is closed.
-    Not a FrameError: the frame decodes, and the text says itself what follows."""
+    Not a FrameError: the frame decodes, and the text says itself what follows. ``problem`` is the
+    text without its ``replication:``, for a line that names replication itself."""
 
     def __init__(self, number: int, sender: str) -> None:
         self.number = number
-        super().__init__(
-            f"replication: frame {number} from {sender} failed its MAC (forged or altered on the way: "
-            "only a peer that passed the handshake with the secret can send frames on this connection); "
-            "the frame is not used and the connection is closed",
+        self.problem = (
+            f"frame {number} from {sender} failed its MAC (forged or altered on the way: only a peer that "
+            "passed the handshake with the secret can send frames on this connection); the frame is not "
+            "used and the connection is closed"
         )
+        super().__init__(f"replication: {self.problem}")
 
 
 class ReplicationGapError(ReplicationError):

@@ -886,7 +886,7 @@ async def first_frame(
                 await writer.start_tls(tls)
             return await server_handshake(reader, writer, secret, MAX_PEER_FRAME)
     except (AuthError, FrameError, FrameMacError) as exc:
-        gate.refusal(writer, peer, exc.problem if isinstance(exc, FrameError) else str(exc))
+        gate.refusal(writer, peer, exc.problem if isinstance(exc, (FrameError, FrameMacError)) else str(exc))
         raise
     except TimeoutError:
         what = "the handshake was not completed" if secret is not None or tls is not None else "no first frame"
