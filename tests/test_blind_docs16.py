@@ -1,9 +1,10 @@
-"""A sixteenth pass of black-box tests written from docs/configuration.md, docs/operations.md, the
-shipped broker.yaml's comments and docs/protocol.md alone, for promises the earlier test_blind_* and
-test_docs_promises* files leave out: how ``amqtt-durable broker`` reads numbers YAML writes in
-forms of its own (a float no float holds, an exponent without a point). The commands that end
-without serving run in this process (test_blind_docs12's run_here); each test quotes the promise it
-checks.
+"""A sixteenth pass of black-box tests written from docs/configuration.md and docs/operations.md
+alone, for promises the earlier test_blind_* and test_docs_promises* files leave out: how
+``amqtt-durable broker`` reads numbers YAML writes in forms of its own (a float no float holds, an
+exponent without a point or a sign), and, from operations.md's flood bullet, a clean session's
+retained QoS 2 flow behind pipelined SUBSCRIBEs (a PUBREC that comes again) and the packet ids of its
+unacknowledged messages. The commands that end without serving run in this process
+(test_blind_docs12's run_here); one broker serves the others; each test quotes the promise it checks.
 """
 
 from __future__ import annotations
