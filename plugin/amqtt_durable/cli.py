@@ -10,6 +10,7 @@ import asyncio
 import gc
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -31,6 +32,7 @@ from .replication.config import SECRET_KEYS, read_secret_file
 from .replication.errors import ReplicationError
 from .replication.framing import Frame
 from .replication.tool import ask, promote_answer, split_address, status_text
+from .settings import TooLargeFloat
 
 log = logging.getLogger("amqtt_durable")
 
@@ -150,6 +152,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             raise ValueError(f"an integer of more than {int_digits()} digits")
         return value
 
+    def construct_finite_float(self, node: yaml.ScalarNode) -> float:
+        """A float as PyYAML reads it, but one written finite that no float holds (``1.0e+400``: PyYAML
+        reads inf) kept as a ``TooLargeFloat``, which a setting refuses as too large for a float."""
+        value: float = self.construct_yaml_float(node)
+        if math.isinf(value) and "inf" not in str(node.value).lower():
+            return TooLargeFloat.written(value, str(node.value))
+        return value
+
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         """PyYAML's, its ValueError given the line of the scalar it could not read (an item of a list
         or a key has no key name to show)."""
@@ -196,6 +206,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_printable_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_finite_float)
 
 
 def _key_path(path: str, key: str) -> str:

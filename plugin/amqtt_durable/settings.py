@@ -106,12 +106,26 @@ def seconds_text(value: float) -> str:
     return str(int(number)) if number.is_integer() else repr(number)
 
 
+class TooLargeFloat(WrittenFloat):
+    """A float broker.yaml writes finite that no float holds (``1.0e+400``, or 309 digits before its
+    point), which PyYAML reads as inf: a *number* setting refuses it as too large for a float, as it
+    does such a number given in Python, and an error quotes it as written, not as ``inf``."""
+
+    @classmethod
+    def written(cls, value: float, text: str) -> TooLargeFloat:
+        number = cls(value)
+        number.text = text.strip()
+        return number
+
+
 # yaml.safe_dump of a parsed setting writes a plain float, as for the float it stands for.
-yaml.SafeDumper.add_representer(WrittenFloat, lambda dumper, data: dumper.represent_float(float(data)))
+yaml.SafeDumper.add_multi_representer(WrittenFloat, lambda dumper, data: dumper.represent_float(float(data)))
 
 
 def _as_float(key: str, value: Any) -> float:
     """A YAML int or float, or any real number given in Python (a Fraction too), as a float."""
+    if isinstance(value, TooLargeFloat):  # broker.yaml's 1.0e+400: refused as Python's 10**400 is, not as inf
+        raise ConfigError(key, "must be a finite number, got a number too large for one")
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         try:
             return WrittenFloat(value)
