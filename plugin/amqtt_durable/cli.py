@@ -336,6 +336,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         args.usage("give a store folder (broker stopped) or --replication HOST:PORT (broker running), one of them")
     if args.replication is not None and args.retained:
         args.usage("--retained lists a stopped broker's store, not --replication")
+    for option, given in (("--config", args.config), ("--secret-file", args.secret_file)):
+        if args.replication is None and given is not None:  # it would be ignored: a store is read without them
+            args.usage(f"{option} is used with --replication only: a store folder is inspected without it")
     if args.replication is not None:
         status = asyncio.run(ask(args.replication, Frame.STATUS, *tool_credentials(args)))
         print(json.dumps(status, indent=2) if args.json else status_text(args.replication, status))

@@ -263,6 +263,23 @@ def test_inspect_leaves_the_store_usable(tmp_path: Path, capsys: pytest.CaptureF
     db.close()
 
 
+@pytest.mark.parametrize("option", ["--config", "--secret-file"])
+def test_a_replication_option_without_replication_is_a_usage_error(tmp_path: Path, option: str) -> None:
+    """operations.md: ``inspect STORE --config FILE`` (or ``--secret-file``) is refused, exit code 2:
+    a store is read without them (the option was ignored, the file never read)."""
+    store = str(tmp_path / "store")
+    build_store(store, time.time())
+    given = write_yaml(tmp_path / "broker.yaml", {"plugins": {PLUGIN_PATH: {"store": store}}})
+    for args in (("inspect", store, option, given), ("inspect", store, "--retained", option, given)):
+        result = run_cli(*args)
+        assert (result.returncode, result.stdout) == (2, ""), (args, result.stderr)
+        assert "usage: amqtt-durable inspect" in result.stderr, result.stderr
+        assert result.stderr.endswith(
+            f"amqtt-durable inspect: error: {option} is used with --replication only: a store folder is inspected "
+            "without it\n"
+        ), result.stderr
+
+
 def test_summarize_and_format_table_with_fixed_now(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
     now = 1_700_000_000.0

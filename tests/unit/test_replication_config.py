@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from amqtt_durable.config import DurableConfig
 from amqtt_durable.errors import ConfigError
-from amqtt_durable.replication.config import ReplicationConfig
+from amqtt_durable.replication.config import ReplicationConfig, TlsConfig
 
 HA = {"coordinator": ["http://127.0.0.1:2379"], "name": "broker-a"}
 
@@ -145,6 +147,56 @@ def test_a_bad_setting_is_named(settings: dict[str, Any], key: str, words: str) 
         ReplicationConfig.from_mapping(settings)
     assert caught.value.key == key
     assert words in caught.value.problem
+    if key == "replication.backups" or ("allow_from", None) in settings.items():
+        return  # an unknown key is no keyword of the constructor; allow_from=None is its default (any address)
+    with pytest.raises(ConfigError) as made:  # the constructor refuses it with the same error
+        ReplicationConfig(**settings)
+    assert (made.value.key, made.value.problem) == (key, caught.value.problem)
+
+
+@pytest.mark.parametrize(
+    ("settings", "error"),
+    [
+        ({"lease_ttl": "5"}, "'replication.lease_ttl': expected a whole number, got '5'"),
+        ({"lease_ttl": 5.0}, "'replication.lease_ttl': must be written as an integer (5), not 5.0"),
+        ({"loop_wait": "1"}, "'replication.loop_wait': expected a number, got '1'"),
+        ({"listen": 5}, "'replication.listen': expected text, got 5"),
+        ({"secret": 5}, "'replication.secret': expected text, got a value of type int (quote it in YAML)"),
+        ({"role": "primary", "coordinator": [5]}, "'replication.coordinator': expected a list of URLs, got [5]"),
+        ({"tls": TlsConfig(cert="", ca="ca.pem")}, "'replication.tls.cert': expected a file path, got ''"),
+    ],
+)
+def test_a_config_built_in_code_is_checked_as_a_mapping_with_the_same_error(
+    settings: dict[str, Any], error: str
+) -> None:
+    """configuration.md: ReplicationConfig(...) checks as from_mapping does (a wrong type crashed with a
+    TypeError, or was kept: lease_ttl=5.0, which broker.yaml refuses)."""
+    settings = {**HA, **settings}
+    for build in (ReplicationConfig.from_mapping, lambda given: ReplicationConfig(**given)):
+        with pytest.raises(ConfigError) as caught:
+            build(settings)
+        assert str(caught.value) == f"amqtt_durable config: {error}"
+    with pytest.raises(ConfigError, match="must be written as an integer"):  # so DurableConfig refuses it too
+        DurableConfig(replication=ReplicationConfig(**{**HA, "lease_ttl": 5.0}))
+
+
+def test_one_coordinator_url_given_in_code_is_a_list_of_one() -> None:
+    """It was read a character at a time ("got 'h'"), as broker.yaml's one URL is not."""
+    assert ReplicationConfig(name="a", coordinator="http://x:1").coordinator == ["http://x:1"]
+    assert ReplicationConfig(name="a", coordinator="http://x:1") == ReplicationConfig.from_mapping(
+        {"name": "a", "coordinator": "http://x:1"}
+    )
+
+
+def test_a_tls_config_given_in_code_has_its_files_read(tmp_path: Path) -> None:
+    missing = str(tmp_path / "node.pem")
+    tls = TlsConfig(cert=missing, ca=str(tmp_path / "ca.pem"))
+    for build in (lambda: ReplicationConfig(role="primary", tls=tls),
+                  lambda: ReplicationConfig.from_mapping({"role": "primary", "tls": tls})):  # fmt: skip
+        with pytest.raises(ConfigError) as caught:
+            build()
+        assert caught.value.key == "replication.tls.cert"
+        assert caught.value.problem.startswith(f"cannot load the certificate {missing!r} and its key ''")
 
 
 def test_allow_from_takes_ipv4_and_ipv6_addresses_and_networks_and_defaults_to_any_address() -> None:

@@ -263,6 +263,8 @@ class ReplicationConfig:
 
 def _coerce(key: str, value: Any, kind: str) -> Any:
     if kind == "TlsConfig | None":
+        if isinstance(value, TlsConfig):  # given in Python: its fields checked as a mapping's, its files read
+            value = {name: item for name, item in dataclasses.asdict(value).items() if name != "key" or item != ""}
         return None if value is None else TlsConfig.from_mapping(value, key)
     if kind in ("int", "float"):
         return SCALARS[kind](key, value)  # the plugin's own rules for numbers
@@ -317,9 +319,12 @@ def _check(config: ReplicationConfig, where: str) -> None:
     def bad(key: str, problem: str) -> ConfigError:
         return ConfigError(f"{where}.{key}", problem)
 
-    for item in dataclasses.fields(config):  # a ReplicationConfig made in Python, not by from_mapping
-        refuse_long_ints(f"{where}.{item.name}", getattr(config, item.name))
-    _check_addresses(config, where, bad)
+    for item in dataclasses.fields(config):  # a ReplicationConfig made in Python: from_mapping's rules for each
+        key, value = f"{where}.{item.name}", getattr(config, item.name)  # field (again for one from_mapping made)
+        refuse_long_ints(key, value)
+        if value is not None or item.default is not None:  # None is tls's and allow_from's default: absent
+            object.__setattr__(config, item.name, _coerce(key, value, str(item.type)))  # frozen: set as __init__ does
+    _check_addresses(config, where)
     _check_roles(config, where, bad)
     _check_timing(config, bad)
     _check_sizes(config, bad)
@@ -470,11 +475,7 @@ def _check_secret(config: ReplicationConfig, where: str, bad: Callable[[str, str
         raise bad("handshake_timeout", f"must be a finite number of seconds above 0, got {config.handshake_timeout!r}")
 
 
-def _check_addresses(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
-    if config.role not in ROLES:
-        raise bad("role", f"expected one of {', '.join(ROLES)}, got {config.role!r}")
-    if config.mode not in MODES:
-        raise bad("mode", f"expected one of {', '.join(MODES)}, got {config.mode!r}")
+def _check_addresses(config: ReplicationConfig, where: str) -> None:
     _address(f"{where}.listen", config.listen)
     if config.advertise:
         _address(f"{where}.advertise", config.advertise)
