@@ -393,10 +393,13 @@ def _add_secret_options(parser: argparse.ArgumentParser) -> None:
         "--config",
         metavar="BROKER_YAML",
         help="connect with the replication settings of this broker.yaml: its secret (replication.secret, "
-        "secret_file or secret_env, read from this environment) and its TLS certificates (replication.tls)",
+        "secret_file or secret_env, read from this environment) and its TLS certificates (replication.tls); "
+        "inspect: with --replication only",
     )
     parser.add_argument(
-        "--secret-file", metavar="PATH", help="authenticate with the replication secret held in this file"
+        "--secret-file",
+        metavar="PATH",
+        help="authenticate with the replication secret held in this file (inspect: with --replication only)",
     )
 
 
