@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import select
+import signal
 import socket
 import struct
 import threading
@@ -979,6 +981,24 @@ def test_a_take_over_of_a_connection_waiting_for_retained_room_is_connacked_at_o
     new.sendall(PINGREQ)
     assert read_packet(new, deadline) == (0xD0, b"")
     assert "Traceback" not in broker.log()
+
+
+def test_a_broker_stopping_with_a_connection_waiting_for_retained_room_answers_every_subscribe_and_closes_it(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """The broker is stopped (SIGTERM) while the never-acking client has 9 SUBSCRIBEs waiting for
+    MAX_RETAINED_ACKS's room: amqtt's shutdown calls the connection's stop() with no end signalled
+    before it (no read ended, no DISCONNECT, no take-over), so stop() opens the room for good itself:
+    every SUBSCRIBE is answered and the connection closed (without it, the stop waited
+    connection_end_wait, 60 s, for changes stuck behind the room: the rest unanswered within WAIT).
+    amqtt's shutdown takes the session out of its table before that stop(): the SUBSCRIBEs answered
+    then bring no retained messages."""
+    broker = broker_factory(drop_log_interval=3600, connection_end_wait=END_WAIT)
+    sock, kinds = waiting_for_room(broker, clients)
+    assert broker.pid is not None
+    os.kill(broker.pid, signal.SIGTERM)
+    read_until_the_close(sock, kinds, time.monotonic() + WAIT)
+    assert kinds[0x90] == FILTERS, kinds
 
 
 def test_a_never_acking_client_that_ends_its_sends_at_the_bound_still_gets_every_subscribes_answer(

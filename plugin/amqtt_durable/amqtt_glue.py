@@ -2925,7 +2925,7 @@ def _one_queue_of_subscription_changes(handler: Any, end_wait: float) -> None:
         return result
 
     async def stop() -> None:
-        handler.durable_retained_acks.ending()
+        handler.durable_retained_acks.ending()  # amqtt's shutdown signals no end before its stop()
         if asyncio.current_task() is not handler.durable_loop_task:
             _stop_outgoing_waiters(handler)  # nothing sent awaits its ack past the end
             await applied()
@@ -2934,9 +2934,10 @@ def _one_queue_of_subscription_changes(handler: Any, end_wait: float) -> None:
 
     async def let_go_once_applied() -> None:
         """A take-over ends the connection without waiting for its client (``let_go``), but only
-        once the changes it sent are applied: their SUBACKs and UNSUBACKs go out before the close."""
+        once the changes it sent are applied: their SUBACKs and UNSUBACKs go out before the close.
+        Every take-over calls ``handle_connection_closed`` first, so ``wait_disconnect`` opens the
+        retained room (``RetainedAcks.ending``) for the changes waited for here."""
         _stop_outgoing_waiters(handler)
-        handler.durable_retained_acks.ending()
         await applied(drain=False)  # the replaced client sends its PUBRELs again on the new connection
         await let_go(handler.writer)
 
