@@ -805,6 +805,8 @@ def test_a_value_published_while_a_subscribes_retained_messages_go_out_is_the_la
 RESET_RETAINED = 8_000
 """Retained messages of 1 KiB the resetting client subscribes to: 8 MB, more than the kernel's send
 queue (4 MB at most) and asyncio's buffer hold, so the run is still writing when the reset lands."""
+RESET_PIPELINED = 5000
+"""SUBSCRIBEs the resetting client sends behind its `#`: its reader pauses at 4,096 of them, whatever it reads."""
 SEND_FAILED = "socket.send() raised exception."
 """asyncio's WARNING for each write to a connection it has lost (from the fifth on)."""
 
@@ -812,12 +814,15 @@ SEND_FAILED = "socket.send() raised exception."
 def test_a_client_that_resets_its_connection_during_a_subscribes_retained_messages_does_not_flood_the_log(
     broker_factory: Callable[..., Broker],
 ) -> None:
-    """A clean client subscribes to `#` over 8 MB of retained messages, reads one and resets its
-    connection (RST): the run stops there, not writing the rest to the lost connection (when it
-    went on, each write logged asyncio's SEND_FAILED: 7,994 lines here; 28,000, 2.1 MB of log, for
-    30,000 short ones), and the broker serves others: a new connection of that client id takes the
-    old one over only once its SUBSCRIBE is applied or its end's wait is over (so the log is looked
-    at once the run wrote what it would), and gets a message it subscribes to."""
+    """A clean client subscribes to `#` over 8 MB of retained messages, reads one and pipelines 5,000
+    SUBSCRIBEs, reading nothing more, until its reader pauses (4,096 SUBSCRIBEs wait behind the `#`
+    run), then resets its connection (RST): the run stops there and the waiting SUBSCRIBEs, still applied, are
+    not answered: nothing more is written to the lost connection (when the run went on, each of its
+    writes logged asyncio's SEND_FAILED: 7,994 lines for `#` alone; 28,000, 2.1 MB of log, for 30,000
+    short ones; each SUBACK after it one more: 3,659). The broker serves others: a new connection of
+    that client id takes the old one over only once its SUBSCRIBEs are applied or its end's wait is
+    over (so the log is looked at once the old one wrote what it would), and gets a message it
+    subscribes to."""
     broker = broker_factory()
     pub = raw_connect(broker.port, "pub", clean=True, keepalive=0)
     publish_all(pub, [f"r/{i}" for i in range(RESET_RETAINED)], retain=True, payload=bytes(1024))
@@ -826,9 +831,12 @@ def test_a_client_that_resets_its_connection_during_a_subscribes_retained_messag
     deadline = time.monotonic() + WAIT
     assert read_packet(sock, deadline) == (0x90, packet_id(0) + b"\x00")
     assert read_packet(sock, deadline)[0] == 0x31  # the run is under way, and cannot have written 8 MB
+    sock.sendall(b"".join(subscribe(i, f"f/{i}", qos=0) for i in range(1, RESET_PIPELINED + 1)))
+    assert wait_until(lambda: pause_logged(broker, "resetter"), WAIT), broker.log()[-3000:]
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()  # RST
     again = raw_connect(broker.port, "resetter", clean=True, keepalive=0)
+    deadline = time.monotonic() + WAIT
     again.sendall(subscribe(1, "live", qos=0))
     assert read_packet(again, deadline) == (0x90, packet_id(1) + b"\x00")
     publish_all(pub, ["live"], retain=False)
