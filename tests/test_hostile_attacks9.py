@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import select
+import signal
 import socket
+import struct
 import threading
 import time
 from collections import Counter
@@ -799,6 +802,50 @@ def test_a_value_published_while_a_subscribes_retained_messages_go_out_is_the_la
             values.append(body[2 + length :])
     assert values[-1] == b"new", values
 
+RESET_RETAINED = 8_000
+"""Retained messages of 1 KiB the resetting client subscribes to: 8 MB, more than the kernel's send
+queue (4 MB at most) and asyncio's buffer hold, so the run is still writing when the reset lands."""
+RESET_PIPELINED = 5000
+"""SUBSCRIBEs the resetting client sends behind its `#`: its reader pauses at 4,096 of them, whatever it reads."""
+SEND_FAILED = "socket.send() raised exception."
+"""asyncio's WARNING for each write to a connection it has lost (from the fifth on)."""
+
+
+def test_a_client_that_resets_its_connection_during_a_subscribes_retained_messages_does_not_flood_the_log(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """A clean client subscribes to `#` over 8 MB of retained messages, reads one and pipelines 5,000
+    SUBSCRIBEs, reading nothing more, until its reader pauses (4,096 SUBSCRIBEs wait behind the `#`
+    run), then resets its connection (RST): the run stops there and the waiting SUBSCRIBEs, still applied, are
+    not answered: nothing more is written to the lost connection (when the run went on, each of its
+    writes logged asyncio's SEND_FAILED: 7,994 lines for `#` alone; 28,000, 2.1 MB of log, for 30,000
+    short ones; each SUBACK after it one more: 3,659). The broker serves others: a new connection of
+    that client id takes the old one over only once its SUBSCRIBEs are applied or its end's wait is
+    over (so the log is looked at once the old one wrote what it would), and gets a message it
+    subscribes to."""
+    broker = broker_factory()
+    pub = raw_connect(broker.port, "pub", clean=True, keepalive=0)
+    publish_all(pub, [f"r/{i}" for i in range(RESET_RETAINED)], retain=True, payload=bytes(1024))
+    sock = small_window_client(broker.port, "resetter", clean=True, keepalive=0)
+    sock.sendall(subscribe(0, "#", qos=0))
+    deadline = time.monotonic() + WAIT
+    assert read_packet(sock, deadline) == (0x90, packet_id(0) + b"\x00")
+    assert read_packet(sock, deadline)[0] == 0x31  # the run is under way, and cannot have written 8 MB
+    sock.sendall(b"".join(subscribe(i, f"f/{i}", qos=0) for i in range(1, RESET_PIPELINED + 1)))
+    assert wait_until(lambda: pause_logged(broker, "resetter"), WAIT), broker.log()[-3000:]
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # RST
+    again = raw_connect(broker.port, "resetter", clean=True, keepalive=0)
+    deadline = time.monotonic() + WAIT
+    again.sendall(subscribe(1, "live", qos=0))
+    assert read_packet(again, deadline) == (0x90, packet_id(1) + b"\x00")
+    publish_all(pub, ["live"], retain=False)
+    assert read_packet(again, deadline) == (0x30, mqtt_string("live") + b"v")
+    log = broker.log()
+    assert log.count(SEND_FAILED) <= 5, (log.count(SEND_FAILED), log[-3000:])
+    assert "Traceback" not in log
+
+
 @pytest.mark.timeout(300)
 def test_a_subscribe_whose_retained_messages_outnumber_the_packet_ids_skips_the_rest_without_stalling_others(
     broker_factory: Callable[..., Broker],
@@ -942,6 +989,24 @@ def test_a_take_over_of_a_connection_waiting_for_retained_room_is_connacked_at_o
     new.sendall(PINGREQ)
     assert read_packet(new, deadline) == (0xD0, b"")
     assert "Traceback" not in broker.log()
+
+
+def test_a_broker_stopping_with_a_connection_waiting_for_retained_room_answers_every_subscribe_and_closes_it(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """The broker is stopped (SIGTERM) while the never-acking client has 9 SUBSCRIBEs waiting for
+    MAX_RETAINED_ACKS's room: amqtt's shutdown calls the connection's stop() with no end signalled
+    before it (no read ended, no DISCONNECT, no take-over), so stop() opens the room for good itself:
+    every SUBSCRIBE is answered and the connection closed (without it, the stop waited
+    connection_end_wait, 60 s, for changes stuck behind the room: the rest unanswered within WAIT).
+    amqtt's shutdown takes the session out of its table before that stop(): the SUBSCRIBEs answered
+    then bring no retained messages."""
+    broker = broker_factory(drop_log_interval=3600, connection_end_wait=END_WAIT)
+    sock, kinds = waiting_for_room(broker, clients)
+    assert broker.pid is not None
+    os.kill(broker.pid, signal.SIGTERM)
+    read_until_the_close(sock, kinds, time.monotonic() + WAIT)
+    assert kinds[0x90] == FILTERS, kinds
 
 
 def test_a_never_acking_client_that_ends_its_sends_at_the_bound_still_gets_every_subscribes_answer(
