@@ -1,0 +1,250 @@
+"""Blind tests of docs/guarantees.md and docs/sdk.md written from those docs alone, for promises the earlier
+test_blind_* and test_docs_promises* files leave out (combinations of them, mostly): each test quotes what it
+checks and runs it as a user would, against real ``amqtt-durable broker`` processes, raw MQTT 3.1.1 sockets,
+paho and SDK clients over TCP to 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable, Iterator
+
+import pytest
+from raw_mqtt_helpers import Raw, connect_packet, raw_connect, read_exactly, read_packet
+
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string
+from durable_client import AsyncDurableClient
+
+pytestmark = pytest.mark.timeout(60)
+
+Publish = tuple[str, int, bool, bytes]
+"""A PUBLISH the broker sent: topic, QoS, RETAIN flag, payload."""
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """One broker for the tests of this file that need no setting of their own (each uses its own client ids
+    and topics)."""
+    broker = Broker(tmp_path_factory.mktemp("shared"))
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+def subscribe_packet(packet_id: int, entries: list[tuple[str, int]]) -> bytes:
+    """One SUBSCRIBE of ``entries`` (filter, requested QoS), in that order."""
+    body = packet_id.to_bytes(2, "big") + b"".join(mqtt_string(f) + bytes((qos,)) for f, qos in entries)
+    return mqtt_packet(0x82, body)
+
+
+def read_until_pingresp(sock: socket.socket) -> tuple[list[Publish], list[tuple[int, bytes]]]:
+    """Send a PINGREQ and read up to its PINGRESP: the PUBLISHes (acknowledged as they come) and the other
+    packets the broker wrote before it. The broker answers in order on a connection, so what it had sent
+    before the PINGRESP is all there is, without a quiet wait."""
+    sock.sendall(b"\xc0\x00")
+    publishes: list[Publish] = []
+    others: list[tuple[int, bytes]] = []
+    for _ in range(10_000):
+        first, body = read_packet(sock)
+        if first == 0xD0:
+            return publishes, others
+        if first >> 4 != 3:
+            others.append((first, body))
+            continue
+        length = int.from_bytes(body[:2], "big")
+        topic, rest, qos = body[2 : 2 + length].decode(), body[2 + length :], (first >> 1) & 3
+        if qos:
+            packet_id, rest = rest[:2], rest[2:]
+            sock.sendall(bytes((0x40 if qos == 1 else 0x50, 2)) + packet_id)
+        publishes.append((topic, qos, bool(first & 1), rest))
+    raise AssertionError("no PINGRESP")
+
+
+def read_publishes(sock: socket.socket, count: int) -> tuple[list[Publish], list[tuple[int, bytes]]]:
+    """Read until ``count`` PUBLISHes came (acknowledging them), then up to a PINGRESP (read_until_pingresp)."""
+    publishes: list[Publish] = []
+    others: list[tuple[int, bytes]] = []
+    for _ in range(count + 100):
+        if len(publishes) >= count:
+            break
+        more, other = read_until_pingresp(sock)
+        publishes += more
+        others += other
+    return publishes, others
+
+
+def retained_at(client: Client, topic: str, payload: bytes, qos: int) -> None:
+    """Store ``payload`` as ``topic``'s retained message (acknowledged at QoS 1/2)."""
+    client.publish(topic, [payload], qos=qos, retain=True)
+
+
+# ------------------------------------------------------------------ guarantees.md: one SUBSCRIBE, one filter twice
+@pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+def test_one_subscribe_naming_a_filter_twice_sends_its_retained_message_per_entry_and_keeps_the_last_qos(
+    shared: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """guarantees.md, Delivered QoS: "A retained message sent because of a SUBSCRIBE is not a published message:
+    it comes once per filter of the SUBSCRIBE that matches it, at the lower of that filter's QoS and its own,
+    durable and clean sessions alike (... MQTT-3.8.4-4 handles a SUBSCRIBE of several filters as that many
+    SUBSCRIBEs)"; "A SUBSCRIBE of a filter the session already holds replaces that subscription: messages
+    published after it come at the new QoS". So one SUBSCRIBE naming `f` at QoS 0 and then `f` at QoS 1 gets
+    the retained message twice (QoS 0, then QoS 1, RETAIN=1) and holds one subscription at QoS 1: a QoS 2
+    publish comes once, at QoS 1, and a durable session queues it while away (a QoS 0 subscription would
+    not: "QoS 0 messages ... are queued for a disconnected session only with `queue_qos0: true`")."""
+    kind = "clean" if clean else "durable"
+    topic = f"b17twice/{kind}"
+    publisher = clients(shared.port, f"b17twice-pub-{kind}", clean_session=True)
+    retained_at(publisher, topic, b"kept", qos=2)
+    sock = raw_connect(shared.port, f"b17twice-{kind}", clean=clean)
+    sock.sendall(subscribe_packet(7, [(topic, 0), (topic, 1)]))
+    publishes, others = read_publishes(sock, 2)
+    assert publishes == [(topic, 0, True, b"kept"), (topic, 1, True, b"kept")]
+    assert others == [(0x90, b"\x00\x07\x00\x01")], "one SUBACK, granting QoS 0 and 1"
+    if clean:
+        publisher.publish(topic, [b"live"], qos=2)
+        publishes, _ = read_publishes(sock, 1)
+        assert publishes == [(topic, 1, False, b"live")], "one subscription, at the last entry's QoS"
+        sock.close()
+        return
+    sock.sendall(b"\xe0\x00")
+    sock.close()
+    publisher.publish(topic, [b"while away"], qos=2)
+    back = socket.create_connection(("127.0.0.1", shared.port), timeout=WAIT)
+    back.sendall(connect_packet(f"b17twice-{kind}", clean=False))
+    assert read_exactly(back, 4) == b"\x20\x02\x01\x00", "session present"
+    publishes, _ = read_publishes(back, 1)
+    assert publishes == [(topic, 1, False, b"while away")], "queued at QoS 1 while away"
+    back.sendall(b"\xe0\x00")
+    back.close()
+
+
+# ------------------------------------------------------------------ guarantees.md: retained runs, several filters
+@pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+def test_two_filters_of_one_subscribe_each_get_every_retained_topic_past_a_run_of_256(
+    shared: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """guarantees.md, Delivered QoS: a retained message sent because of a SUBSCRIBE "comes once per filter of
+    the SUBSCRIBE that matches it, at the lower of that filter's QoS and its own, durable and clean sessions
+    alike (a SUBSCRIBE of `a/#` at QoS 0 and `a/b` at QoS 1 gets a retained `a/b` stored at QoS 1 or 2 twice,
+    at QoS 0 and 1"; operations.md has a SUBSCRIBE's retained messages go 256 at a time. With 300 retained
+    topics (more than one run) under two filters of one SUBSCRIBE, each filter gets every topic's retained
+    message once, RETAIN=1, at its own QoS, and nothing else comes."""
+    kind = "clean" if clean else "durable"
+    prefix = f"b17runs/{kind}"
+    count = 300
+    publisher = clients(shared.port, f"b17runs-pub-{kind}", clean_session=True)
+    infos = [publisher.paho.publish(f"{prefix}/{i:03d}", b"v%d" % i, qos=1, retain=True) for i in range(count)]
+    for info in infos:
+        info.wait_for_publish(WAIT)
+        assert info.is_published()
+    sock = raw_connect(shared.port, f"b17runs-{kind}", clean=clean)
+    sock.sendall(subscribe_packet(5, [(f"{prefix}/#", 0), (f"{prefix}/+", 1)]))
+    publishes, others = read_publishes(sock, 2 * count)
+    assert others == [(0x90, b"\x00\x05\x00\x01")]
+    expected = {(f"{prefix}/{i:03d}", b"v%d" % i) for i in range(count)}
+    for qos in (0, 1):
+        got = [(topic, payload) for topic, q, _retain, payload in publishes if q == qos]
+        assert len(got) == count and set(got) == expected, f"QoS {qos}: each retained topic once"
+    assert len(publishes) == 2 * count and all(retain for _t, _q, retain, _p in publishes)
+    sock.sendall(b"\xe0\x00")
+    sock.close()
+
+
+# ------------------------------------------------------------------ guarantees.md: $ topics and wildcards
+def test_a_durable_sessions_wildcard_first_level_filters_do_not_match_the_expired_event(
+    shared: Broker, clients: Callable[..., Client], raws: Callable[..., Raw]
+) -> None:
+    """guarantees.md, lifecycle: "Wills and broker-internal messages (`$SYS/...`) reach durable sessions
+    through the same queue. As MQTT requires, filters starting with `+` or `#` do not match `$` topics"; on
+    expiry the broker "publishes, at QoS 1, on `$SYS/broker/durable/expired`"; "`session_expiry: 0` deletes
+    a session as soon as it disconnects" (here a hello's override of 0). A durable session holding `#` and
+    `+/broker/durable/expired` gets no expired event, one naming the topic gets it (at QoS 1), and the first
+    one's later messages come without it before them (FIFO: the event was published first)."""
+    wild = clients(shared.port, "b17dollar-wild")
+    assert wild.subscribe([("#", 1), ("+/broker/durable/expired", 1)]) == [1, 1]
+    named = clients(shared.port, "b17dollar-named")
+    assert named.subscribe("$SYS/broker/durable/expired", 2) == [2]
+    expiring = raws(shared.port, "b17dollar-expiring")
+    assert expiring.request({"v": 1, "op": "hello", "req": 1, "session_expiry": 0})["ok"] is True
+    expiring.close()
+    assert named.wait_for(lambda ms: any(b'"b17dollar-expiring"' in m.payload for m in ms)), "no expired event"
+    event = next(m for m in named.messages if b'"b17dollar-expiring"' in m.payload)
+    assert (event.topic, event.qos) == ("$SYS/broker/durable/expired", 1)
+    clients(shared.port, "b17dollar-pub", clean_session=True).publish("b17dollar/after", [b"sentinel"])
+    assert wild.wait_for(lambda ms: any(m.topic == "b17dollar/after" for m in ms)), "the sentinel never came"
+    assert not [m.topic for m in wild.messages if m.topic.startswith("$")], "a $ topic matched # or +/..."
+
+
+# ------------------------------------------------------------------ sdk.md: AsyncDurableClient and QoS 0
+def test_an_async_body_that_raises_on_a_qos0_event_logs_an_error_and_the_event_counts_as_processed(
+    shared: Broker, clients: Callable[..., Client], caplog: pytest.LogCaptureFixture
+) -> None:
+    """sdk.md, asyncio: "A body that raises does not acknowledge it: the client reconnects and the broker sends
+    it again ...; an event delivered at QoS 0, which cannot come again, is logged (ERROR) and counts as
+    processed". So the exception reaches the code around the loop, no reconnect follows, and the next
+    `events()` goes on with the next event, not the failed one again."""
+    publisher = clients(shared.port, "b17aq0-pub", clean_session=True)
+    caplog.set_level(logging.ERROR, logger="durable_client")
+
+    async def main() -> None:
+        async with AsyncDurableClient("b17aq0", "127.0.0.1", shared.port, reconnect_max_delay=0.5) as client:
+            await client.subscribe("b17aq0/#", qos=0)
+            await client.ready_for_events()
+            await asyncio.to_thread(publisher.publish, "b17aq0/t", [b"m1", b"m2", b"m3"], 0)
+            with pytest.raises(RuntimeError, match="on purpose"):
+                async with client.events() as events:
+                    async for event in events:
+                        assert (event.payload, event.qos) == (b"m1", 0)
+                        raise RuntimeError("body failed (on purpose)")
+            rest: list[bytes] = []
+
+            async def collect() -> None:
+                async with client.events() as events:
+                    async for event in events:
+                        rest.append(event.payload)
+                        if len(rest) == 2:
+                            break
+
+            await asyncio.wait_for(collect(), WAIT)
+            assert rest == [b"m2", b"m3"], "the failed QoS 0 event is not given again"
+            assert client.stats.redeliveries_requested == 0 and client.stats.reconnects == 0
+            assert client.stats.processed == 3, "the failed QoS 0 event counts as processed"
+
+    asyncio.run(main())
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("b17aq0/t" in message for message in errors), errors
+
+
+# ------------------------------------------------------------------ guarantees.md: stored before CONNACK / SUBACK
+def test_the_owner_and_a_subscription_acknowledged_just_before_a_sigkill_survive_it(broker: Broker) -> None:
+    """guarantees.md, lifecycle: a durable session "is stored before CONNACK; its subscriptions are stored
+    before SUBACK"; "session_present in CONNACK comes from the store: ... 1 for an existing one, also after a
+    broker restart or crash. Subscriptions come back without re-subscribing"; Owner: "a session belongs to the
+    user ... whose CONNECT created it. With `session_takeover: owner-only` (default) a CONNECT of its client id
+    by any other user, clean or not, is refused with CONNACK 5". The broker is SIGKILLed right after the
+    SUBACK: after the restart the session keeps its owner (bob's CONNECTs, clean and durable, get CONNACK 5)
+    and its subscription (a publish is queued for it)."""
+    sock = socket.create_connection(("127.0.0.1", broker.port), timeout=WAIT)
+    sock.sendall(connect_packet("b17kill", clean=False, username="alice"))
+    assert read_exactly(sock, 4) == b"\x20\x02\x00\x00"
+    sock.sendall(subscribe_packet(1, [("b17kill/t", 1)]))
+    assert read_packet(sock) == (0x90, b"\x00\x01\x01")
+    broker.kill()
+    sock.close()
+    broker.start()
+    for clean in (False, True):
+        other = socket.create_connection(("127.0.0.1", broker.port), timeout=WAIT)
+        other.sendall(connect_packet("b17kill", clean=clean, username="bob"))
+        assert read_exactly(other, 4) == b"\x20\x02\x00\x05", f"another user's CONNECT (clean={clean})"
+        other.close()
+    publisher = Client(broker.port, "b17kill-pub", clean_session=True)
+    publisher.publish("b17kill/t", [b"after the crash"])
+    publisher.disconnect()
+    back = socket.create_connection(("127.0.0.1", broker.port), timeout=WAIT)
+    back.sendall(connect_packet("b17kill", clean=False, username="alice"))
+    assert read_exactly(back, 4) == b"\x20\x02\x01\x00", "session present after the SIGKILL"
+    publishes, _ = read_publishes(back, 1)
+    assert publishes == [("b17kill/t", 1, False, b"after the crash")]
+    back.sendall(b"\xe0\x00")
+    back.close()
