@@ -248,3 +248,57 @@ def test_the_owner_and_a_subscription_acknowledged_just_before_a_sigkill_survive
     assert publishes == [("b17kill/t", 1, False, b"after the crash")]
     back.sendall(b"\xe0\x00")
     back.close()
+
+
+# ------------------------------------------------------------------ guarantees.md: a byte limit and the expansion
+def ack_all(sock: socket.socket, packet_ids: list[bytes]) -> None:
+    """PUBACK each of ``packet_ids``, then wait for a PINGRESP: the broker handled the acks (read in order)."""
+    sock.sendall(b"".join(b"\x40\x02" + packet_id for packet_id in packet_ids))
+    publishes, others = read_until_pingresp(sock)
+    assert (publishes, others) == ([], []), "nothing was due"
+
+
+def unacked(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
+    """The next ``count`` QoS 1 PUBLISHes, not acknowledged: (packet id, payload) each."""
+    got = []
+    for _ in range(count):
+        first, body = read_packet(sock)
+        assert first >> 4 == 3 and (first >> 1) & 3 == 1, (first, body)
+        length = int.from_bytes(body[:2], "big")
+        got.append((body[2 + length : 4 + length], body[4 + length :]))
+    return got
+
+
+def test_without_max_bytes_disconnected_no_byte_limit_holds_the_expansion_until_80_percent_of_the_messages(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Queue limits: "With `max_bytes` set and `max_bytes_disconnected` 0, a disconnected queue
+    has no byte limit and no byte limit holds the expansion after a reconnect: `max_bytes` applies again once
+    the queue holds at most 80% of `max_depth_disconnected` messages ... (while the backlog is over
+    `max_bytes`, each new message goes by the overflow policy)"; "A queue is full when either its message or
+    its byte limit would be passed"; `drop-newest` "does not queue the new message for that session". With
+    max_bytes 100 and 10 messages at most: 9 messages of 20 bytes queue while away (180 bytes); after the
+    reconnect a 10th still goes in (9 > 8 messages: no byte limit yet); once the backlog is down to 8 (160
+    bytes, acknowledged by the client) the next one is dropped; once all are acknowledged one goes in again."""
+    broker = broker_factory(max_bytes=100, max_depth=10, max_depth_disconnected=10, overflow="drop-newest")
+    device = clients(broker.port, "b17bytes")
+    device.subscribe("b17bytes/t", 1)
+    device.disconnect()
+    publisher = clients(broker.port, "b17bytes-pub", clean_session=True)
+    away = [b"away-%014d" % i for i in range(9)]  # 20 bytes each
+    publisher.publish("b17bytes/t", away)
+    sock = socket.create_connection(("127.0.0.1", broker.port), timeout=WAIT)
+    sock.sendall(connect_packet("b17bytes", clean=False))
+    assert read_exactly(sock, 4) == b"\x20\x02\x01\x00"
+    backlog = unacked(sock, 9)
+    assert [payload for _pid, payload in backlog] == away, "a disconnected queue has no byte limit"
+    publisher.publish("b17bytes/t", [b"tenth-%014d" % 10])
+    [tenth] = unacked(sock, 1)
+    assert tenth[1] == b"tenth-%014d" % 10, "the expansion holds with 9 of 10 messages, whatever the bytes"
+    ack_all(sock, [backlog[0][0], backlog[1][0]])  # 8 left, 160 bytes: the limits revert
+    publisher.publish("b17bytes/t", [b"dropped-%012d" % 11, b"x" * 20])
+    ack_all(sock, [pid for pid, _payload in backlog[2:]] + [tenth[0]])  # nothing came meanwhile: both dropped
+    publisher.publish("b17bytes/t", [b"last-%015d" % 12])
+    assert [payload for _pid, payload in unacked(sock, 1)] == [b"last-%015d" % 12]
+    sock.sendall(b"\xe0\x00")
+    sock.close()
