@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import socket
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
 from raw_mqtt_helpers import Raw, connect_packet, raw_connect, read_exactly, read_packet
 
 from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string
-from durable_client import AsyncDurableClient
+from durable_client import AsyncDurableClient, DurableClient, Marker, RequestTimeout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -302,3 +305,54 @@ def test_without_max_bytes_disconnected_no_byte_limit_holds_the_expansion_until_
     assert [payload for _pid, payload in unacked(sock, 1)] == [b"last-%015d" % 12]
     sock.sendall(b"\xe0\x00")
     sock.close()
+
+
+# ------------------------------------------------------------------ sdk.md: an UNSUBSCRIBE lost with its connection
+def test_an_unsubscribe_lost_with_the_connection_goes_again_before_the_reconnects_subscribes(
+    broker_factory: Callable[..., Broker], caplog: pytest.LogCaptureFixture
+) -> None:
+    """sdk.md, Subscriptions: "A durable session's UNSUBSCRIBE whose UNSUBACK had not come when the connection
+    was lost is sent again after the reconnect if the broker's session still holds the filter (its hello reply
+    lists it ...); it goes before the reconnect's SUBSCRIBEs, so the filters it removes no longer count against
+    `max_subscriptions_per_client`"; `subscribe()` raises "`RequestTimeout` after `timeout` without that SUBACK"
+    and the subscription "stays registered and is sent again after every reconnect"; the marker's `live` list
+    "holds the filters they granted, not those refused with 0x80, nor those unsubscribed". With a limit of 2
+    filters held (u/1, u/2), `unsubscribe(u/1)` and `subscribe(u/3)` are sent to a broker that is stopped
+    (SIGSTOP) and then SIGKILLed, so it never read them: after its restart the session still holds u/1 and
+    u/2, and the reconnect's UNSUBSCRIBE of u/1 makes room for u/3."""
+    broker = broker_factory(max_subscriptions_per_client=2)
+    markers: list[Marker] = []
+    marked = threading.Condition()
+
+    def on_live(marker: Marker) -> None:
+        with marked:
+            markers.append(marker)
+            marked.notify_all()
+
+    client = DurableClient(
+        "b17unsub", port=broker.port, on_live=on_live, reconnect_min_delay=0.05, reconnect_max_delay=0.3
+    )
+    try:
+        client.subscribe("b17unsub/1")
+        client.subscribe("b17unsub/2")
+        client.connect(timeout=WAIT)
+        client.ready_for_events()
+        with marked:
+            assert marked.wait_for(lambda: len(markers) == 1, WAIT)
+        assert {s.filter for s in markers[0].live} == {"b17unsub/1", "b17unsub/2"}
+        assert broker.pid is not None
+        os.kill(broker.pid, signal.SIGSTOP)  # reads nothing more; SIGKILL ends it stopped
+        client.unsubscribe("b17unsub/1")
+        with pytest.raises(RequestTimeout):
+            client.subscribe("b17unsub/3", timeout=0.3)
+        broker.kill()
+        caplog.set_level(logging.WARNING, logger="durable_client")
+        broker.start()
+        with marked:
+            assert marked.wait_for(lambda: len(markers) == 2, WAIT), "no marker after the reconnect"
+        live = {(s.filter, s.qos, s.durable) for s in markers[1].live}
+        assert live == {("b17unsub/2", 1, True), ("b17unsub/3", 1, True)}, live
+        refused = [r.getMessage() for r in caplog.records if "refused the subscription" in r.getMessage()]
+        assert not refused, refused
+    finally:
+        client.close()
