@@ -356,3 +356,34 @@ def test_an_unsubscribe_lost_with_the_connection_goes_again_before_the_reconnect
         assert not refused, refused
     finally:
         client.close()
+
+
+# ------------------------------------------------------------------ sdk.md: the largest PUBLISH, byte for byte
+def test_publish_takes_payloads_up_to_what_max_packet_size_lets_a_publish_carry_at_its_qos(
+    shared: Broker, clients: Callable[..., Client]
+) -> None:
+    """sdk.md, `publish`: `payload` "no larger than the broker's `max_packet_size` lets a PUBLISH be (its
+    remaining length: 2 bytes and the topic's, 2 more at QoS 1 and 2, and the payload's; the broker's hello
+    reply says it)", a `str` "sent as UTF-8"; a bad value "raises `ValueError` whose message starts with the
+    option's or argument's name". With the default 1048576 and a topic of 10 bytes in UTF-8 (`é` is 2), QoS 0
+    carries 2 bytes more than QoS 1 and 2; one byte past either is refused before anything is sent, and what
+    was taken reaches a subscriber whole, on the same connection (the broker closed none)."""
+    topic = "b17size/é"
+    room = 1048576 - 2 - len(topic.encode())
+    subscriber = clients(shared.port, "b17size-sub", clean_session=True)
+    assert subscriber.subscribe("b17size/#", 2) == [2]
+    client = DurableClient("b17size", port=shared.port, durable_session=False)
+    try:
+        client.connect(timeout=WAIT)
+        for qos, payload in ((0, b"0" * (room + 1)), (1, b"1" * (room - 1)), (2, "é" * ((room - 2) // 2) + "a")):
+            with pytest.raises(ValueError) as refused:
+                client.publish(topic, payload, qos=qos)
+            assert str(refused.value).startswith("payload"), refused.value
+        client.publish(topic, b"0" * room, qos=0)
+        client.publish(topic, b"1" * (room - 2), qos=1)
+        client.publish(topic, "é" * ((room - 2) // 2), qos=2)
+        assert subscriber.wait_for(lambda ms: len(ms) >= 3), "not delivered"
+        assert [(m.qos, len(m.payload)) for m in subscriber.messages] == [(0, room), (1, room - 2), (2, room - 2)]
+        assert client.connected and client.stats.reconnects == 0
+    finally:
+        client.close()
