@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from raw_mqtt_helpers import Raw, connect_packet, raw_connect, read_exactly, read_packet
 
-from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, seen_away
 from durable_client import AsyncDurableClient, DurableClient, Marker, RequestTimeout
 
 pytestmark = pytest.mark.timeout(60)
@@ -283,10 +283,13 @@ def test_without_max_bytes_disconnected_no_byte_limit_holds_the_expansion_until_
     max_bytes 100 and 10 messages at most: 9 messages of 20 bytes queue while away (180 bytes); after the
     reconnect a 10th still goes in (9 > 8 messages: no byte limit yet); once the backlog is down to 8 (160
     bytes, acknowledged by the client) the next one is dropped; once all are acknowledged one goes in again."""
-    broker = broker_factory(max_bytes=100, max_depth=10, max_depth_disconnected=10, overflow="drop-newest")
+    broker = broker_factory(
+        max_bytes=100, max_depth=10, max_depth_disconnected=10, overflow="drop-newest", metrics_interval=0.05
+    )
     device = clients(broker.port, "b17bytes")
     device.subscribe("b17bytes/t", 1)
     device.disconnect()
+    seen_away(clients, broker, 1)  # the broker has the session disconnected before the publishes come
     publisher = clients(broker.port, "b17bytes-pub", clean_session=True)
     away = [b"away-%014d" % i for i in range(9)]  # 20 bytes each
     publisher.publish("b17bytes/t", away)
@@ -387,3 +390,38 @@ def test_publish_takes_payloads_up_to_what_max_packet_size_lets_a_publish_carry_
         assert client.connected and client.stats.reconnects == 0
     finally:
         client.close()
+
+
+# ------------------------------------------------------------------ guarantees.md: drop-oldest that runs out
+def test_drop_oldest_that_runs_out_of_messages_it_may_delete_drops_the_new_one_and_keeps_its_deletions(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Queue limits: `drop-oldest` "deletes the oldest queued message (while the session is
+    connected, the oldest one not sent yet: messages in flight ... are never dropped) ... Under a byte limit it
+    deletes more of the oldest while the new message does not fit yet ... If it runs out of messages it may
+    delete before the new one fits (the rest are in flight), the new message is dropped too, and what it
+    deleted stays deleted (each a counted drop)"; drops are counted "in all
+    (`$SYS/broker/durable/messages/dropped`)". A 100-byte limit, a window of 2: two messages of 40 bytes in
+    flight and one of 10 not sent yet; a new one of 30 bytes deletes the 10-byte one, still does not fit, and
+    is dropped too: 2 drops, and neither comes after the acks."""
+    broker = broker_factory(max_bytes=100, max_bytes_disconnected=100, recovery_buffer=2, metrics_interval=0.05)
+    device = clients(broker.port, "b17runsout")
+    device.subscribe("b17runsout/t", 1)
+    device.disconnect()
+    seen_away(clients, broker, 1)
+    publisher = clients(broker.port, "b17runsout-pub", clean_session=True)
+    publisher.publish("b17runsout/t", [b"a" * 40, b"b" * 40, b"c" * 10])
+    sock = socket.create_connection(("127.0.0.1", broker.port), timeout=WAIT)
+    sock.sendall(connect_packet("b17runsout", clean=False))
+    assert read_exactly(sock, 4) == b"\x20\x02\x01\x00"
+    in_flight = unacked(sock, 2)
+    assert [payload for _pid, payload in in_flight] == [b"a" * 40, b"b" * 40]
+    publisher.publish("b17runsout/t", [b"d" * 30])  # PUBACKed all the same
+    watcher = clients(broker.port, "b17runsout-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/messages/dropped", 0)
+    assert watcher.wait_for(lambda ms: any(m.payload == b"2" for m in ms)), [m.payload for m in watcher.messages]
+    ack_all(sock, [pid for pid, _payload in in_flight])
+    publisher.publish("b17runsout/t", [b"e" * 5])
+    assert [payload for _pid, payload in unacked(sock, 1)] == [b"e" * 5], "the deleted and the dropped never come"
+    sock.sendall(b"\xe0\x00")
+    sock.close()
