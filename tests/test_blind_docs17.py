@@ -425,3 +425,37 @@ def test_drop_oldest_that_runs_out_of_messages_it_may_delete_drops_the_new_one_a
     assert [payload for _pid, payload in unacked(sock, 1)] == [b"e" * 5], "the deleted and the dropped never come"
     sock.sendall(b"\xe0\x00")
     sock.close()
+
+
+# ------------------------------------------------------------------ guarantees.md: QoS 0 behind a backlog
+def test_a_qos0_message_to_a_connected_session_waits_behind_its_backlog_and_a_full_window(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md: "FIFO, no gaps. Each session gets its messages in the order the broker accepted them,
+    backlog first and then live messages, with no gap or reordering where the replay ends"; "QoS 0 messages
+    ... are delivered to connected durable sessions"; `recovery_buffer` "is a session's in-flight window: at
+    most that many QoS 1/2 messages are sent and not yet acknowledged". With a window of 2 and 6 messages
+    queued while away, a QoS 0 and a QoS 1 message published once the session is back (its window full,
+    nothing acknowledged) come after the whole backlog, in the order they were published, the QoS 0 one at
+    QoS 0."""
+    broker = broker_factory(recovery_buffer=2, metrics_interval=0.05)
+    device = clients(broker.port, "b17q0fifo")
+    device.subscribe("b17q0fifo/t", 1)
+    device.disconnect()
+    seen_away(clients, broker, 1)
+    publisher = clients(broker.port, "b17q0fifo-pub", clean_session=True)
+    backlog = [b"backlog-%d" % i for i in range(6)]
+    publisher.publish("b17q0fifo/t", backlog)
+    sock = socket.create_connection(("127.0.0.1", broker.port), timeout=WAIT)
+    sock.sendall(connect_packet("b17q0fifo", clean=False))
+    assert read_exactly(sock, 4) == b"\x20\x02\x01\x00"
+    window = unacked(sock, 2)
+    publisher.publish("b17q0fifo/t", [b"live qos 0"], qos=0)
+    publisher.publish("b17q0fifo/t", [b"live qos 1"], qos=1)
+    sock.sendall(b"".join(b"\x40\x02" + pid for pid, _payload in window))  # the window was full until now
+    publishes, _ = read_publishes(sock, 6)
+    got = [payload for _pid, payload in window] + [payload for _topic, _qos, _retain, payload in publishes]
+    assert got == [*backlog, b"live qos 0", b"live qos 1"]
+    assert [qos for _topic, qos, _retain, _payload in publishes][-2:] == [0, 1]
+    sock.sendall(b"\xe0\x00")
+    sock.close()
