@@ -378,10 +378,17 @@ def test_publish_takes_payloads_up_to_what_max_packet_size_lets_a_publish_carry_
     client = DurableClient("b17size", port=shared.port, durable_session=False)
     try:
         client.connect(timeout=WAIT)
-        for qos, payload in ((0, b"0" * (room + 1)), (1, b"1" * (room - 1)), (2, "é" * ((room - 2) // 2) + "a")):
+        too_large: list[tuple[int, bytes | str, int]] = [
+            (0, b"0" * (room + 1), room + 1),
+            (1, b"1" * (room - 1), room - 1),
+            (2, "é" * ((room - 2) // 2) + "a", room - 1),  # counted in UTF-8 bytes
+        ]
+        for qos, payload, size in too_large:
             with pytest.raises(ValueError) as refused:
                 client.publish(topic, payload, qos=qos)
+            parts = "topic, packet id" if qos else "topic"  # a QoS 0 PUBLISH has no packet id
             assert str(refused.value).startswith("payload"), refused.value
+            assert f"({parts} and {size} bytes of payload)" in str(refused.value), refused.value
         client.publish(topic, b"0" * room, qos=0)
         client.publish(topic, b"1" * (room - 2), qos=1)
         client.publish(topic, "é" * ((room - 2) // 2), qos=2)
