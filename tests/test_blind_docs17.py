@@ -466,3 +466,66 @@ def test_a_qos0_message_to_a_connected_session_waits_behind_its_backlog_and_a_fu
     assert [qos for _topic, qos, _retain, _payload in publishes][-2:] == [0, 1]
     sock.sendall(b"\xe0\x00")
     sock.close()
+
+
+# ------------------------------------------------------------------ sdk.md: a subscribe() waiting through a reconnect
+def test_a_subscribe_waiting_when_the_connection_is_lost_returns_at_the_suback_after_the_reconnect(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """sdk.md, `subscribe`: connected, it "returns at the SUBACK"; "`RequestTimeout` after `timeout` without that
+    SUBACK or reply (a connection lost first is neither: it waits for the SUBACK of the SUBSCRIBE sent again
+    after the reconnect ... within the same `timeout`"; the marker's `live` list "holds the filters they
+    granted". The broker is stopped (SIGSTOP) while `subscribe()` waits, then SIGKILLed: the call still waits
+    once the client saw its connection lost, and returns without raising once the broker, started again, grants
+    the reconnect's SUBSCRIBE; the next marker lists it."""
+    broker = broker_factory()
+    markers: list[Marker] = []
+    marked = threading.Condition()
+
+    def on_live(marker: Marker) -> None:
+        with marked:
+            markers.append(marker)
+            marked.notify_all()
+
+    lost = threading.Event()
+    client = DurableClient(
+        "b17lost",
+        port=broker.port,
+        on_live=on_live,
+        on_disconnected=lambda _reason: lost.set(),
+        reconnect_min_delay=0.05,
+        reconnect_max_delay=0.3,
+    )
+    outcome: list[BaseException | None] = []
+
+    def subscribe() -> None:
+        try:
+            client.subscribe("b17lost/b", timeout=3 * WAIT)
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    try:
+        client.subscribe("b17lost/a")
+        client.connect(timeout=WAIT)
+        client.ready_for_events()
+        with marked:
+            assert marked.wait_for(lambda: len(markers) == 1, WAIT)
+        assert broker.pid is not None
+        os.kill(broker.pid, signal.SIGSTOP)
+        waiting = threading.Thread(target=subscribe)
+        waiting.start()
+        waiting.join(0.3)
+        assert waiting.is_alive() and not outcome, "returned without a SUBACK from a stopped broker"
+        broker.kill()
+        assert lost.wait(WAIT), "the client did not see its connection lost"
+        waiting.join(0.3)
+        assert waiting.is_alive() and not outcome, "a lost connection ended the wait"
+        broker.start()
+        waiting.join(3 * WAIT)
+        assert outcome == [None], outcome
+        with marked:
+            assert marked.wait_for(lambda: len(markers) == 2, WAIT), "no marker after the reconnect"
+        assert {s.filter for s in markers[1].live} == {"b17lost/a", "b17lost/b"}
+    finally:
+        client.close()
