@@ -6,14 +6,17 @@ paho and SDK clients over TCP to 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from packet_relay import Packet, PacketRelay
 from raw_mqtt_helpers import Raw, connect_packet, raw_connect, read_exactly, read_packet
 
 from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, seen_away
@@ -527,5 +530,55 @@ def test_a_subscribe_waiting_when_the_connection_is_lost_returns_at_the_suback_a
         with marked:
             assert marked.wait_for(lambda: len(markers) == 2, WAIT), "no marker after the reconnect"
         assert {s.filter for s in markers[1].live} == {"b17lost/a", "b17lost/b"}
+    finally:
+        client.close()
+
+
+def test_a_subscribe_whose_suback_was_lost_returns_at_the_hello_reply_that_lists_it(
+    shared: Broker, relays: Callable[..., PacketRelay], tmp_path: Path
+) -> None:
+    """sdk.md, `subscribe`: a connection lost first "waits for the SUBACK of the SUBSCRIBE sent again after the
+    reconnect ...; a durable filter the reconnect's hello reply lists at its QoS is sent no SUBSCRIBE again: it
+    returns at that hello reply, which writes the delivery-log record of one whose SUBACK was lost". A relay
+    holds the SUBACK the broker sent and the connection is cut: the reconnect sends no SUBSCRIBE of the filter,
+    `subscribe()` returns without raising, and the delivery log holds one `subscribe` record of it."""
+    relay = relays(shared.port)
+    log = tmp_path / "delivery.jsonl"
+    client = DurableClient(
+        "b17suback", port=relay.port, delivery_log=str(log), reconnect_min_delay=0.05, reconnect_max_delay=0.3
+    )
+    outcome: list[BaseException | None] = []
+
+    def subscribe() -> None:
+        try:
+            client.subscribe("b17suback/b", timeout=3 * WAIT)
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    def suback(packet: Packet) -> bool:
+        return packet.direction == "down" and packet.kind == 9
+
+    def subscribe_of_b(packet: Packet) -> bool:
+        return packet.direction == "up" and packet.kind == 8 and b"b17suback/b" in packet.body
+
+    try:
+        client.subscribe("b17suback/a")
+        client.connect(timeout=WAIT)
+        relay.hold("down", suback)
+        waiting = threading.Thread(target=subscribe)
+        waiting.start()
+        relay.wait_seen(subscribe_of_b)
+        held = len(relay.seen)
+        relay.wait_seen(suback, after=held - 1)  # the broker granted (and stored) it: its SUBACK is held
+        cut_at = len(relay.seen)
+        relay.cut()
+        relay.release("down")  # into the cut link: lost
+        relay.accept()
+        waiting.join(3 * WAIT)
+        assert outcome == [None], outcome
+        assert not [p for p in relay.seen[cut_at:] if subscribe_of_b(p)], "SUBSCRIBE sent again"
+        subscribed = [r["topic"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "subscribe"]
+        assert subscribed.count("b17suback/b") == 1, subscribed
     finally:
         client.close()
