@@ -582,3 +582,64 @@ def test_a_subscribe_whose_suback_was_lost_returns_at_the_hello_reply_that_lists
         assert subscribed.count("b17suback/b") == 1, subscribed
     finally:
         client.close()
+
+
+def test_after_a_lost_connection_the_sdk_resends_only_what_the_broker_lacks_once_its_hello_reply_came(
+    shared: Broker, relays: Callable[..., PacketRelay]
+) -> None:
+    """sdk.md, `unsubscribe`: "A durable session's UNSUBSCRIBE whose UNSUBACK had not come when the connection was
+    lost is sent again after the reconnect if the broker's session still holds the filter (its hello reply
+    lists it ...)"; `publish`: "A QoS 1/2 publish still unacknowledged when the connection is lost goes out
+    again once the next hello reply has come (not at CONNACK)", and `publish()` returns "once the broker has
+    the message (its PUBACK ...)". A relay holds the UNSUBACK of an UNSUBSCRIBE the broker applied and the
+    PUBACK of a publish, then cuts the connection: the reconnect sends no UNSUBSCRIBE (the hello reply no
+    longer lists the filter), and the publish again (DUP) only after the hello reply, whose PUBACK ends the
+    waiting `publish()`."""
+    relay = relays(shared.port)
+    client = DurableClient("b17resend", port=relay.port, reconnect_min_delay=0.05, reconnect_max_delay=0.3)
+    outcome: list[BaseException | None] = []
+
+    def publish() -> None:
+        try:
+            client.publish("b17resend/t", b"once more", qos=1, timeout=3 * WAIT)
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    def unsuback_or_puback(packet: Packet) -> bool:
+        return packet.direction == "down" and packet.kind in (4, 11)
+
+    def published(packet: Packet) -> bool:
+        return packet.direction == "up" and packet.kind == 3 and b"b17resend/t" in packet.body
+
+    def hello_reply(packet: Packet) -> bool:
+        return packet.direction == "down" and (packet.control() or {}).get("op") == "hello"
+
+    try:
+        client.subscribe("b17resend/gone")
+        client.connect(timeout=WAIT)
+        relay.hold("down", unsuback_or_puback)
+        client.unsubscribe("b17resend/gone")
+        relay.wait_seen(lambda p: p.direction == "down" and p.kind == 11)  # applied: its UNSUBACK is held
+        sending = threading.Thread(target=publish)
+        sending.start()
+        relay.wait_seen(lambda p: p.direction == "down" and p.kind == 4)
+        cut_at = len(relay.seen)
+        relay.cut()
+        relay.release("down")  # into the cut link: lost
+        relay.hold("down", hello_reply)
+        relay.accept()
+        relay.wait_seen(hello_reply, after=cut_at)  # the reconnect's CONNACK came, its hello reply is held
+        relay.wait = 0.5  # a quiet window: the publish must not go out before the hello reply
+        with pytest.raises(AssertionError, match="no such packet"):
+            relay.wait_seen(published, after=cut_at)
+        relay.wait = WAIT
+        relay.release("down")
+        sending.join(3 * WAIT)
+        assert outcome == [None], outcome
+        after = relay.seen[cut_at:]
+        assert not [p for p in after if p.direction == "up" and p.kind == 10], "UNSUBSCRIBE sent again"
+        again = [p for p in after if published(p)]
+        assert len(again) == 1 and again[0].first & 0x08, "sent again once, with DUP"
+    finally:
+        client.close()
