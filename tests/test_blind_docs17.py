@@ -643,3 +643,45 @@ def test_after_a_lost_connection_the_sdk_resends_only_what_the_broker_lacks_once
         assert len(again) == 1 and again[0].first & 0x08, "sent again once, with DUP"
     finally:
         client.close()
+
+
+def test_a_qos2_publish_the_broker_has_goes_on_with_its_pubrel_at_connack_not_its_publish(
+    shared: Broker, relays: Callable[..., PacketRelay]
+) -> None:
+    """sdk.md, `publish`: "A QoS 2 publish whose PUBREC came (the broker has it) is not sent again: its PUBREL is,
+    at CONNACK"; at QoS 2 `publish()` returns once the broker has the message ("its PUBCOMP"). A relay holds the
+    PUBCOMP and cuts the connection, then holds the reconnect's hello reply: the PUBREL goes out all the same
+    (at CONNACK), the PUBLISH is not sent again, and the PUBCOMP of the new connection ends `publish()`."""
+    relay = relays(shared.port)
+    client = DurableClient("b17pubrel", port=relay.port, reconnect_min_delay=0.05, reconnect_max_delay=0.3)
+    outcome: list[BaseException | None] = []
+
+    def publish() -> None:
+        try:
+            client.publish("b17pubrel/t", b"exactly once", qos=2, timeout=3 * WAIT)
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    def hello_reply(packet: Packet) -> bool:
+        return packet.direction == "down" and (packet.control() or {}).get("op") == "hello"
+
+    try:
+        client.connect(timeout=WAIT)
+        relay.hold("down", lambda p: p.kind == 7)  # PUBCOMP
+        sending = threading.Thread(target=publish)
+        sending.start()
+        relay.wait_seen(lambda p: p.direction == "down" and p.kind == 7)
+        cut_at = len(relay.seen)
+        relay.cut()
+        relay.release("down")  # into the cut link: lost
+        relay.hold("down", hello_reply)
+        relay.accept()
+        relay.wait_seen(lambda p: p.direction == "up" and p.kind == 6, after=cut_at)  # the hello reply still held
+        relay.release("down")
+        sending.join(3 * WAIT)
+        assert outcome == [None], outcome
+        after = relay.seen[cut_at:]
+        assert not [p for p in after if p.direction == "up" and p.kind == 3 and b"b17pubrel/t" in p.body]
+    finally:
+        client.close()
