@@ -685,3 +685,46 @@ def test_a_qos2_publish_the_broker_has_goes_on_with_its_pubrel_at_connack_not_it
         assert not [p for p in after if p.direction == "up" and p.kind == 3 and b"b17pubrel/t" in p.body]
     finally:
         client.close()
+
+
+def test_ready_goes_out_only_once_the_broker_confirmed_the_connections_subscribes(
+    shared: Broker, relays: Callable[..., PacketRelay]
+) -> None:
+    """sdk.md, Ready for events: `ready_for_events()` "may be called before `connect()`"; "The client sends it
+    once the broker has confirmed the connection's SUBSCRIBEs and UNSUBSCRIBEs (their SUBACK, UNSUBACK), also
+    those a reconnect or a `ready_for_events()` called before `connect()` sends, so the marker's `live` list
+    reflects them". A relay holds the SUBACK of the connection's SUBSCRIBE: no `ready` request goes out until
+    it is released, then the marker lists the filter."""
+    relay = relays(shared.port)
+    markers: list[Marker] = []
+    marked = threading.Condition()
+
+    def on_live(marker: Marker) -> None:
+        with marked:
+            markers.append(marker)
+            marked.notify_all()
+
+    def ready(packet: Packet) -> bool:
+        return packet.direction == "up" and (packet.control() or {}).get("op") == "ready"
+
+    client = DurableClient("b17ready", port=relay.port, on_live=on_live)
+    connecting = threading.Thread(target=client.connect, kwargs={"timeout": 3 * WAIT})
+    try:
+        client.subscribe("b17ready/t")
+        client.ready_for_events()
+        relay.hold("down", lambda p: p.kind == 9)  # SUBACK
+        connecting.start()
+        relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9)
+        relay.wait = 0.5  # a quiet window: no ready before the SUBACK
+        with pytest.raises(AssertionError, match="no such packet"):
+            relay.wait_seen(ready)
+        relay.wait = WAIT
+        relay.release("down")
+        relay.wait_seen(ready)
+        connecting.join(3 * WAIT)
+        with marked:
+            assert marked.wait_for(lambda: len(markers) == 1, WAIT)
+        assert [(s.filter, s.qos) for s in markers[0].live] == [("b17ready/t", 1)]
+    finally:
+        client.close()
+        connecting.join(WAIT)
