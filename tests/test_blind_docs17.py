@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from packet_relay import Packet, PacketRelay
 from raw_mqtt_helpers import Raw, connect_packet, raw_connect, read_exactly, read_packet
+from test_blind_docs15 import Seen
 
 from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, seen_away
-from durable_client import AsyncDurableClient, DurableClient, Marker, RequestTimeout
+from durable_client import AsyncDurableClient, DurableClient, RequestTimeout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,6 +84,61 @@ def read_publishes(sock: socket.socket, count: int) -> tuple[list[Publish], list
 def retained_at(client: Client, topic: str, payload: bytes, qos: int) -> None:
     """Store ``payload`` as ``topic``'s retained message (acknowledged at QoS 1/2)."""
     client.publish(topic, [payload], qos=qos, retain=True)
+
+
+# ------------------------------------------------------------------ SDK helpers: calls in a thread, a relay
+class InThread:
+    """A blocking SDK call run in a thread of its own, so that the test can act while it waits."""
+
+    def __init__(self, call: Callable[[], object]) -> None:
+        self._ended: list[BaseException | None] = []
+        self._thread = threading.Thread(target=self._run, args=(call,), daemon=True)
+        self._thread.start()
+
+    def _run(self, call: Callable[[], object]) -> None:
+        try:
+            call()
+            self._ended.append(None)
+        except BaseException as exc:  # handed to the test's thread
+            self._ended.append(exc)
+
+    def still_waiting(self) -> bool:
+        """The call has not returned within a short while (it cannot, in the state the test set up)."""
+        self._thread.join(0.3)
+        return self._thread.is_alive() and not self._ended
+
+    def outcome(self) -> BaseException | None:
+        """What the call raised, None when it returned; AssertionError when it is still running."""
+        self._thread.join(3 * WAIT)
+        assert self._ended, "the call is still waiting"
+        return self._ended[0]
+
+
+def hello_reply(packet: Packet) -> bool:
+    return packet.direction == "down" and (packet.control() or {}).get("op") == "hello"
+
+
+def reconnect_through(relay: PacketRelay, *, hold_hello: bool) -> int:
+    """Cut the client's link through ``relay`` (what the relay held for the client is lost with it) and let the
+    client connect again, its hello reply held with ``hold_hello``; where the new link's packets start in
+    ``relay.seen``."""
+    cut_at = len(relay.seen)
+    relay.cut()
+    relay.release("down")  # into the cut link: lost
+    if hold_hello:
+        relay.hold("down", hello_reply)
+    relay.accept()
+    return cut_at
+
+
+def not_seen_for_a_while(relay: PacketRelay, predicate: Callable[[Packet], bool], after: int = 0) -> None:
+    """No packet matching ``predicate`` passes ``relay`` within a quiet window of 0.5 s."""
+    relay.wait = 0.5
+    try:
+        with pytest.raises(AssertionError, match="no such packet"):
+            relay.wait_seen(predicate, after)
+    finally:
+        relay.wait = WAIT
 
 
 # ------------------------------------------------------------------ guarantees.md: one SUBSCRIBE, one filter twice
@@ -327,25 +383,18 @@ def test_an_unsubscribe_lost_with_the_connection_goes_again_before_the_reconnect
     (SIGSTOP) and then SIGKILLed, so it never read them: after its restart the session still holds u/1 and
     u/2, and the reconnect's UNSUBSCRIBE of u/1 makes room for u/3."""
     broker = broker_factory(max_subscriptions_per_client=2)
-    markers: list[Marker] = []
-    marked = threading.Condition()
-
-    def on_live(marker: Marker) -> None:
-        with marked:
-            markers.append(marker)
-            marked.notify_all()
+    seen = Seen()
 
     client = DurableClient(
-        "b17unsub", port=broker.port, on_live=on_live, reconnect_min_delay=0.05, reconnect_max_delay=0.3
+        "b17unsub", port=broker.port, on_live=seen.on_live, reconnect_min_delay=0.05, reconnect_max_delay=0.3
     )
     try:
         client.subscribe("b17unsub/1")
         client.subscribe("b17unsub/2")
         client.connect(timeout=WAIT)
         client.ready_for_events()
-        with marked:
-            assert marked.wait_for(lambda: len(markers) == 1, WAIT)
-        assert {s.filter for s in markers[0].live} == {"b17unsub/1", "b17unsub/2"}
+        seen.until(lambda: len(seen.markers) >= 1)
+        assert {s.filter for s in seen.markers[0].live} == {"b17unsub/1", "b17unsub/2"}
         assert broker.pid is not None
         os.kill(broker.pid, signal.SIGSTOP)  # reads nothing more; SIGKILL ends it stopped
         client.unsubscribe("b17unsub/1")
@@ -354,9 +403,8 @@ def test_an_unsubscribe_lost_with_the_connection_goes_again_before_the_reconnect
         broker.kill()
         caplog.set_level(logging.WARNING, logger="durable_client")
         broker.start()
-        with marked:
-            assert marked.wait_for(lambda: len(markers) == 2, WAIT), "no marker after the reconnect"
-        live = {(s.filter, s.qos, s.durable) for s in markers[1].live}
+        seen.until(lambda: len(seen.markers) >= 2)
+        live = {(s.filter, s.qos, s.durable) for s in seen.markers[1].live}
         assert live == {("b17unsub/2", 1, True), ("b17unsub/3", 1, True)}, live
         refused = [r.getMessage() for r in caplog.records if "refused the subscription" in r.getMessage()]
         assert not refused, refused
@@ -482,54 +530,33 @@ def test_a_subscribe_waiting_when_the_connection_is_lost_returns_at_the_suback_a
     once the client saw its connection lost, and returns without raising once the broker, started again, grants
     the reconnect's SUBSCRIBE; the next marker lists it."""
     broker = broker_factory()
-    markers: list[Marker] = []
-    marked = threading.Condition()
-
-    def on_live(marker: Marker) -> None:
-        with marked:
-            markers.append(marker)
-            marked.notify_all()
+    seen = Seen()
 
     lost = threading.Event()
     client = DurableClient(
         "b17lost",
         port=broker.port,
-        on_live=on_live,
+        on_live=seen.on_live,
         on_disconnected=lambda _reason: lost.set(),
         reconnect_min_delay=0.05,
         reconnect_max_delay=0.3,
     )
-    outcome: list[BaseException | None] = []
-
-    def subscribe() -> None:
-        try:
-            client.subscribe("b17lost/b", timeout=3 * WAIT)
-            outcome.append(None)
-        except BaseException as exc:  # handed to the test's thread
-            outcome.append(exc)
-
     try:
         client.subscribe("b17lost/a")
         client.connect(timeout=WAIT)
         client.ready_for_events()
-        with marked:
-            assert marked.wait_for(lambda: len(markers) == 1, WAIT)
+        seen.until(lambda: len(seen.markers) >= 1)
         assert broker.pid is not None
         os.kill(broker.pid, signal.SIGSTOP)
-        waiting = threading.Thread(target=subscribe)
-        waiting.start()
-        waiting.join(0.3)
-        assert waiting.is_alive() and not outcome, "returned without a SUBACK from a stopped broker"
+        waiting = InThread(lambda: client.subscribe("b17lost/b", timeout=3 * WAIT))
+        assert waiting.still_waiting(), "returned without a SUBACK from a stopped broker"
         broker.kill()
         assert lost.wait(WAIT), "the client did not see its connection lost"
-        waiting.join(0.3)
-        assert waiting.is_alive() and not outcome, "a lost connection ended the wait"
+        assert waiting.still_waiting(), "a lost connection ended the wait"
         broker.start()
-        waiting.join(3 * WAIT)
-        assert outcome == [None], outcome
-        with marked:
-            assert marked.wait_for(lambda: len(markers) == 2, WAIT), "no marker after the reconnect"
-        assert {s.filter for s in markers[1].live} == {"b17lost/a", "b17lost/b"}
+        assert waiting.outcome() is None
+        seen.until(lambda: len(seen.markers) >= 2)
+        assert {s.filter for s in seen.markers[1].live} == {"b17lost/a", "b17lost/b"}
     finally:
         client.close()
 
@@ -547,14 +574,6 @@ def test_a_subscribe_whose_suback_was_lost_returns_at_the_hello_reply_that_lists
     client = DurableClient(
         "b17suback", port=relay.port, delivery_log=str(log), reconnect_min_delay=0.05, reconnect_max_delay=0.3
     )
-    outcome: list[BaseException | None] = []
-
-    def subscribe() -> None:
-        try:
-            client.subscribe("b17suback/b", timeout=3 * WAIT)
-            outcome.append(None)
-        except BaseException as exc:  # handed to the test's thread
-            outcome.append(exc)
 
     def suback(packet: Packet) -> bool:
         return packet.direction == "down" and packet.kind == 9
@@ -566,17 +585,12 @@ def test_a_subscribe_whose_suback_was_lost_returns_at_the_hello_reply_that_lists
         client.subscribe("b17suback/a")
         client.connect(timeout=WAIT)
         relay.hold("down", suback)
-        waiting = threading.Thread(target=subscribe)
-        waiting.start()
+        waiting = InThread(lambda: client.subscribe("b17suback/b", timeout=3 * WAIT))
         relay.wait_seen(subscribe_of_b)
         held = len(relay.seen)
         relay.wait_seen(suback, after=held - 1)  # the broker granted (and stored) it: its SUBACK is held
-        cut_at = len(relay.seen)
-        relay.cut()
-        relay.release("down")  # into the cut link: lost
-        relay.accept()
-        waiting.join(3 * WAIT)
-        assert outcome == [None], outcome
+        cut_at = reconnect_through(relay, hold_hello=False)
+        assert waiting.outcome() is None
         assert not [p for p in relay.seen[cut_at:] if subscribe_of_b(p)], "SUBSCRIBE sent again"
         subscribed = [r["topic"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "subscribe"]
         assert subscribed.count("b17suback/b") == 1, subscribed
@@ -597,14 +611,6 @@ def test_after_a_lost_connection_the_sdk_resends_only_what_the_broker_lacks_once
     waiting `publish()`."""
     relay = relays(shared.port)
     client = DurableClient("b17resend", port=relay.port, reconnect_min_delay=0.05, reconnect_max_delay=0.3)
-    outcome: list[BaseException | None] = []
-
-    def publish() -> None:
-        try:
-            client.publish("b17resend/t", b"once more", qos=1, timeout=3 * WAIT)
-            outcome.append(None)
-        except BaseException as exc:  # handed to the test's thread
-            outcome.append(exc)
 
     def unsuback_or_puback(packet: Packet) -> bool:
         return packet.direction == "down" and packet.kind in (4, 11)
@@ -612,31 +618,19 @@ def test_after_a_lost_connection_the_sdk_resends_only_what_the_broker_lacks_once
     def published(packet: Packet) -> bool:
         return packet.direction == "up" and packet.kind == 3 and b"b17resend/t" in packet.body
 
-    def hello_reply(packet: Packet) -> bool:
-        return packet.direction == "down" and (packet.control() or {}).get("op") == "hello"
-
     try:
         client.subscribe("b17resend/gone")
         client.connect(timeout=WAIT)
         relay.hold("down", unsuback_or_puback)
         client.unsubscribe("b17resend/gone")
         relay.wait_seen(lambda p: p.direction == "down" and p.kind == 11)  # applied: its UNSUBACK is held
-        sending = threading.Thread(target=publish)
-        sending.start()
+        sending = InThread(lambda: client.publish("b17resend/t", b"once more", qos=1, timeout=3 * WAIT))
         relay.wait_seen(lambda p: p.direction == "down" and p.kind == 4)
-        cut_at = len(relay.seen)
-        relay.cut()
-        relay.release("down")  # into the cut link: lost
-        relay.hold("down", hello_reply)
-        relay.accept()
+        cut_at = reconnect_through(relay, hold_hello=True)
         relay.wait_seen(hello_reply, after=cut_at)  # the reconnect's CONNACK came, its hello reply is held
-        relay.wait = 0.5  # a quiet window: the publish must not go out before the hello reply
-        with pytest.raises(AssertionError, match="no such packet"):
-            relay.wait_seen(published, after=cut_at)
-        relay.wait = WAIT
+        not_seen_for_a_while(relay, published, after=cut_at)  # the publish waits for the hello reply
         relay.release("down")
-        sending.join(3 * WAIT)
-        assert outcome == [None], outcome
+        assert sending.outcome() is None
         after = relay.seen[cut_at:]
         assert not [p for p in after if p.direction == "up" and p.kind == 10], "UNSUBSCRIBE sent again"
         again = [p for p in after if published(p)]
@@ -654,33 +648,15 @@ def test_a_qos2_publish_the_broker_has_goes_on_with_its_pubrel_at_connack_not_it
     (at CONNACK), the PUBLISH is not sent again, and the PUBCOMP of the new connection ends `publish()`."""
     relay = relays(shared.port)
     client = DurableClient("b17pubrel", port=relay.port, reconnect_min_delay=0.05, reconnect_max_delay=0.3)
-    outcome: list[BaseException | None] = []
-
-    def publish() -> None:
-        try:
-            client.publish("b17pubrel/t", b"exactly once", qos=2, timeout=3 * WAIT)
-            outcome.append(None)
-        except BaseException as exc:  # handed to the test's thread
-            outcome.append(exc)
-
-    def hello_reply(packet: Packet) -> bool:
-        return packet.direction == "down" and (packet.control() or {}).get("op") == "hello"
-
     try:
         client.connect(timeout=WAIT)
         relay.hold("down", lambda p: p.kind == 7)  # PUBCOMP
-        sending = threading.Thread(target=publish)
-        sending.start()
+        sending = InThread(lambda: client.publish("b17pubrel/t", b"exactly once", qos=2, timeout=3 * WAIT))
         relay.wait_seen(lambda p: p.direction == "down" and p.kind == 7)
-        cut_at = len(relay.seen)
-        relay.cut()
-        relay.release("down")  # into the cut link: lost
-        relay.hold("down", hello_reply)
-        relay.accept()
+        cut_at = reconnect_through(relay, hold_hello=True)
         relay.wait_seen(lambda p: p.direction == "up" and p.kind == 6, after=cut_at)  # the hello reply still held
         relay.release("down")
-        sending.join(3 * WAIT)
-        assert outcome == [None], outcome
+        assert sending.outcome() is None
         after = relay.seen[cut_at:]
         assert not [p for p in after if p.direction == "up" and p.kind == 3 and b"b17pubrel/t" in p.body]
     finally:
@@ -696,35 +672,23 @@ def test_ready_goes_out_only_once_the_broker_confirmed_the_connections_subscribe
     reflects them". A relay holds the SUBACK of the connection's SUBSCRIBE: no `ready` request goes out until
     it is released, then the marker lists the filter."""
     relay = relays(shared.port)
-    markers: list[Marker] = []
-    marked = threading.Condition()
-
-    def on_live(marker: Marker) -> None:
-        with marked:
-            markers.append(marker)
-            marked.notify_all()
+    seen = Seen()
 
     def ready(packet: Packet) -> bool:
         return packet.direction == "up" and (packet.control() or {}).get("op") == "ready"
 
-    client = DurableClient("b17ready", port=relay.port, on_live=on_live)
-    connecting = threading.Thread(target=client.connect, kwargs={"timeout": 3 * WAIT})
+    client = DurableClient("b17ready", port=relay.port, on_live=seen.on_live)
     try:
         client.subscribe("b17ready/t")
         client.ready_for_events()
         relay.hold("down", lambda p: p.kind == 9)  # SUBACK
-        connecting.start()
+        connecting = InThread(lambda: client.connect(timeout=3 * WAIT))
         relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9)
-        relay.wait = 0.5  # a quiet window: no ready before the SUBACK
-        with pytest.raises(AssertionError, match="no such packet"):
-            relay.wait_seen(ready)
-        relay.wait = WAIT
+        not_seen_for_a_while(relay, ready)  # no ready before the SUBACK
         relay.release("down")
         relay.wait_seen(ready)
-        connecting.join(3 * WAIT)
-        with marked:
-            assert marked.wait_for(lambda: len(markers) == 1, WAIT)
-        assert [(s.filter, s.qos) for s in markers[0].live] == [("b17ready/t", 1)]
+        assert connecting.outcome() is None
+        seen.until(lambda: len(seen.markers) >= 1)
+        assert [(s.filter, s.qos) for s in seen.markers[0].live] == [("b17ready/t", 1)]
     finally:
         client.close()
-        connecting.join(WAIT)
