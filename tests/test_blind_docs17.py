@@ -21,7 +21,7 @@ from raw_mqtt_helpers import Raw, connect_packet, raw_connect, read_exactly, rea
 from test_blind_docs15 import Seen
 
 from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, seen_away
-from durable_client import AsyncDurableClient, DurableClient, RequestTimeout
+from durable_client import AsyncDurableClient, DurableClient, RequestTimeout, Unconnected
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -692,3 +692,30 @@ def test_ready_goes_out_only_once_the_broker_confirmed_the_connections_subscribe
         assert [(s.filter, s.qos) for s in seen.markers[0].live] == [("b17ready/t", 1)]
     finally:
         client.close()
+
+
+def test_close_ending_the_session_raises_unconnected_when_the_connection_is_lost_before_the_reply(
+    shared: Broker, relays: Callable[..., PacketRelay], tmp_path: Path
+) -> None:
+    """sdk.md, `close`: "`close(keep_session=False)` removes it on the broker at once ... The client is closed
+    either way: ... `RequestTimeout` when no reply came within `timeout`, or `Unconnected` when the connection
+    was lost before it, and then the session may or may not have been ended. In each of these cases the
+    delivery log gets no `session_end`". A relay holds the broker's `end_session` reply and cuts the
+    connection: `close()` raises `Unconnected` well before its timeout, and the client stays closed."""
+    relay = relays(shared.port)
+    log = tmp_path / "delivery.jsonl"
+    client = DurableClient("b17endlost", port=relay.port, delivery_log=str(log), reconnect_min_delay=0.05)
+
+    def end_session_reply(packet: Packet) -> bool:
+        return packet.direction == "down" and (packet.control() or {}).get("op") == "end_session"
+
+    client.connect(timeout=WAIT)
+    relay.hold("down", end_session_reply)
+    closing = InThread(lambda: client.close(keep_session=False, timeout=6 * WAIT))
+    relay.wait_seen(end_session_reply)
+    relay.cut()
+    assert isinstance(closing.outcome(), Unconnected)
+    with pytest.raises(Unconnected, match="this client was closed"):
+        client.connect(timeout=1)
+    kinds = [json.loads(line)["kind"] for line in log.read_text().splitlines()]
+    assert "connect" in kinds and "session_end" not in kinds, kinds
