@@ -709,13 +709,16 @@ def test_close_ending_the_session_raises_unconnected_when_the_connection_is_lost
     def end_session_reply(packet: Packet) -> bool:
         return packet.direction == "down" and (packet.control() or {}).get("op") == "end_session"
 
-    client.connect(timeout=WAIT)
-    relay.hold("down", end_session_reply)
-    closing = InThread(lambda: client.close(keep_session=False, timeout=6 * WAIT))
-    relay.wait_seen(end_session_reply)
-    relay.cut()
-    assert isinstance(closing.outcome(), Unconnected)
-    with pytest.raises(Unconnected, match="this client was closed"):
-        client.connect(timeout=1)
+    try:
+        client.connect(timeout=WAIT)
+        relay.hold("down", end_session_reply)
+        closing = InThread(lambda: client.close(keep_session=False, timeout=6 * WAIT))
+        relay.wait_seen(end_session_reply)
+        relay.cut()
+        assert isinstance(closing.outcome(), Unconnected)
+        with pytest.raises(Unconnected, match="this client was closed"):
+            client.connect(timeout=1)
+    finally:
+        client.close()  # does nothing again once closed
     kinds = [json.loads(line)["kind"] for line in log.read_text().splitlines()]
     assert "connect" in kinds and "session_end" not in kinds, kinds
