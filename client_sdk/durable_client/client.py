@@ -812,8 +812,9 @@ class DurableClient:
             return
         size = publish_size(topic, len(data), qos)
         if size > limit:
+            parts = "topic, packet id" if qos else "topic"  # a QoS 0 PUBLISH has no packet id
             raise ValueError(
-                f"payload: a PUBLISH of {size} bytes (topic, packet id and {len(data)} bytes of payload) is larger "
+                f"payload: a PUBLISH of {size} bytes ({parts} and {len(data)} bytes of payload) is larger "
                 f"than the broker's max_packet_size ({limit} bytes), which would close the connection; nothing "
                 "was published"
             )
