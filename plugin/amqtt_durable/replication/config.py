@@ -261,8 +261,9 @@ class ReplicationConfig:
 
     @classmethod
     def from_mapping(cls, raw: Any, where: str = "replication") -> ReplicationConfig:
-        """Build from broker.yaml's ``replication:`` mapping, naming the first bad key
-        (``where.key``; the checks after coercion name ``replication.key``)."""
+        """Build from broker.yaml's ``replication:`` mapping, naming the first bad key (an unknown one
+        first, then in the order of the fields, as the constructor; ``where.key``, and the checks after
+        coercion name ``replication.key``)."""
         if not isinstance(raw, Mapping):
             raise ConfigError(where, f"expected a mapping of replication settings, got {raw!r}")
         names = [f.name for f in dataclasses.fields(cls)]
