@@ -29,6 +29,7 @@ TOO_LARGE = "'session_expiry': must be a finite number, got a number too large f
     [
         ("session_expiry: 1.0e+400", TOO_LARGE),
         ("session_expiry: 1" + "0" * 400 + ".5", TOO_LARGE),
+        ("session_expiry: 1" + "0" * 309 + ".5", TOO_LARGE),  # 310 digits: above about 1.8e308
         (
             "replication: {role: primary, ack_timeout: 1.0e+999}",
             "'replication.ack_timeout': must be a finite number, got a number too large for one",

@@ -310,7 +310,7 @@ def test_a_frame_that_does_not_decode_ends_the_backups_channel_with_the_backups_
     with caplog.at_level(logging.WARNING, logger="amqtt_durable.replication"):
         port = asyncio.run(main())
     assert (
-        f"replication: backup b: channel to {HOST}:{port} ended: replication: a frame does not decode (checksum "
+        f"replication: backup b: channel to {HOST}:{port} ended: a frame does not decode (checksum "
         "mismatch); the channel is closed and the backup reconnects and is caught up again (check the network path, "
         "or versions of both brokers)"
     ) in caplog.messages
@@ -341,7 +341,7 @@ def test_a_backup_connection_whose_frame_does_not_decode_is_disconnected_with_th
         writer.close()
         await primary.close()
         assert ended == [
-            "disconnected (FrameError: replication: a ACK does not decode (unexpected STATUS from a backup); the "
+            "disconnected (FrameError: a ACK does not decode (unexpected STATUS from a backup); the "
             "channel is closed and the backup reconnects and is caught up again (check the network path, or "
             "versions of both brokers))"
         ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -79,6 +79,17 @@ class Relay:
             p_writer.close()
             b_writer.close()
             self.done.set()
+
+
+@pytest.fixture(autouse=True)
+def replication_named_once(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Every line these tests log names replication once: the errors' texts began with "replication: "
+    too, so a backup's `replication: backup b: channel to ...: ended: replication: frame 4 from the primary
+    failed its MAC` and a primary's `... disconnected (FrameMacError: replication: frame 2 ...` said it twice."""
+    caplog.set_level(logging.INFO, logger="amqtt_durable")
+    yield
+    messages = [record.getMessage() for record in caplog.get_records("call")]
+    assert [message for message in messages if message.count("replication:") > 1] == []
 
 
 async def read_until_closed(reader: asyncio.StreamReader, within: float = 3.0) -> list[tuple[Frame, bytes]]:

@@ -388,18 +388,16 @@ def _replication_address(text: str) -> str:
     return text
 
 
-def _add_secret_options(parser: argparse.ArgumentParser) -> None:
+def _add_secret_options(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """--config and --secret-file, their help ending with ``note`` (inspect's: with --replication only)."""
     parser.add_argument(
         "--config",
         metavar="BROKER_YAML",
         help="connect with the replication settings of this broker.yaml: its secret (replication.secret, "
-        "secret_file or secret_env, read from this environment) and its TLS certificates (replication.tls); "
-        "inspect: with --replication only",
+        "secret_file or secret_env, read from this environment) and its TLS certificates (replication.tls)" + note,
     )
     parser.add_argument(
-        "--secret-file",
-        metavar="PATH",
-        help="authenticate with the replication secret held in this file (inspect: with --replication only)",
+        "--secret-file", metavar="PATH", help="authenticate with the replication secret held in this file" + note
     )
 
 
@@ -442,7 +440,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         type=_replication_address,
         help="show role, backups and lag of the broker replicating there",
     )
-    _add_secret_options(inspect)
+    _add_secret_options(inspect, " (with --replication only)")
     inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
     inspect.add_argument("--retained", action="store_true", help="list the retained messages instead of the sessions")
     inspect.set_defaults(run=_cmd_inspect, usage=inspect.error)

@@ -107,9 +107,10 @@ def seconds_text(value: float) -> str:
 
 
 class TooLargeFloat(WrittenFloat):
-    """A float broker.yaml writes finite that no float holds (``1.0e+400``, or 309 digits before its
-    point), which PyYAML reads as inf: a *number* setting refuses it as too large for a float, as it
-    does such a number given in Python, and an error quotes it as written, not as ``inf``."""
+    """A float broker.yaml writes finite that no float holds (above about 1.8e308, such as ``1.0e+400``
+    or 310 digits before its point), which PyYAML reads as inf: a *number* setting refuses it as too
+    large for a float, as it does such a number given in Python, and an error quotes it as written,
+    not as ``inf``."""
 
     @classmethod
     def written(cls, value: float, text: str) -> TooLargeFloat:
@@ -129,7 +130,7 @@ def _as_float(key: str, value: Any) -> float:
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         try:
             return WrittenFloat(value)
-        except OverflowError:  # an integer of 309 digits or more, Fraction(10**400, 3): no float holds it
+        except OverflowError:  # above about 1.8e308 (an integer of 310 digits, Fraction(10**400, 3)): no float holds it
             raise ConfigError(key, "must be a finite number, got a number too large for one") from None
     raise ConfigError(key, f"expected a number, got {value!r}")
 

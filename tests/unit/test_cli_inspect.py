@@ -280,6 +280,18 @@ def test_a_replication_option_without_replication_is_a_usage_error(tmp_path: Pat
         ), result.stderr
 
 
+def test_only_inspects_help_says_its_secret_options_go_with_replication(capsys: pytest.CaptureFixture[str]) -> None:
+    """promote's --config and --secret-file are its own: its help said "inspect: with --replication only"."""
+    shown = {}
+    for command in ("inspect", "promote"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        shown[command] = " ".join(capsys.readouterr().out.split())
+    assert shown["inspect"].count("(with --replication only)") == 2, shown["inspect"]
+    assert "replication only" not in shown["promote"] and "inspect:" not in shown["promote"], shown["promote"]
+    assert "--secret-file PATH authenticate with the replication secret held in this file" in shown["promote"]
+
+
 def test_summarize_and_format_table_with_fixed_now(tmp_path: Path) -> None:
     path = str(tmp_path / "store")
     now = 1_700_000_000.0

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
+from amqtt_durable.cli import load_broker_config
 from amqtt_durable.config import OVERFLOW_POLICIES, DurableConfig, StreamConfig
 from amqtt_durable.errors import ConfigError
 from amqtt_durable.replication.config import ReplicationConfig
@@ -172,6 +173,20 @@ def test_a_fraction_too_large_for_a_float_is_refused_naming_the_setting() -> Non
     ):
         with pytest.raises(ConfigError, match="'session_expiry': must be a finite number, got a number too large"):
             make()
+
+
+def test_a_secret_broker_yaml_writes_as_a_float_too_large_for_one_is_said_to_be_a_float(tmp_path: Path) -> None:
+    """broker.yaml's 1.0e+400 is held as a float of the plugin's own class: the error named that class
+    ("a value of type TooLargeFloat"), as 1.5 is a float."""
+    config = tmp_path / "broker.yaml"
+    for number in ("1.0e+400", "1.5"):
+        plugin = f"{{store: {tmp_path / 'store'}, replication: {{role: primary, secret: {number}}}}}"
+        config.write_text(f"plugins:\n  amqtt_durable.DurableSessionsPlugin: {plugin}\n")
+        with pytest.raises(ConfigError) as caught:
+            load_broker_config(str(config))
+        assert str(caught.value) == (
+            "amqtt_durable config: 'replication.secret': expected text, got a value of type float (quote it in YAML)"
+        )
 
 
 def _made(make: Any) -> Any:

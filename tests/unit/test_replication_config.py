@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import ssl
 from pathlib import Path
 from typing import Any
 
 import pytest
+from replication_helpers import cluster_pki
 
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.errors import ConfigError
@@ -164,6 +167,9 @@ def test_a_bad_setting_is_named(settings: dict[str, Any], key: str, words: str) 
         ({"secret": 5}, "'replication.secret': expected text, got a value of type int (quote it in YAML)"),
         ({"role": "primary", "coordinator": [5]}, "'replication.coordinator': expected a list of URLs, got [5]"),
         ({"tls": TlsConfig(cert="", ca="ca.pem")}, "'replication.tls.cert': expected a file path, got ''"),
+        ({"secret_file": 5}, "'replication.secret_file': expected a file path, got 5"),
+        # two bad settings, the mapping's order not the fields': each way names the first field (role)
+        ({"lease_ttl": "5", "role": "x"}, "'replication.role': expected one of auto, primary, backup, got 'x'"),
     ],
 )
 def test_a_config_built_in_code_is_checked_as_a_mapping_with_the_same_error(
@@ -172,12 +178,15 @@ def test_a_config_built_in_code_is_checked_as_a_mapping_with_the_same_error(
     """configuration.md: ReplicationConfig(...) checks as from_mapping does (a wrong type crashed with a
     TypeError, or was kept: lease_ttl=5.0, which broker.yaml refuses)."""
     settings = {**HA, **settings}
-    for build in (ReplicationConfig.from_mapping, lambda given: ReplicationConfig(**given)):
+    for build in (
+        ReplicationConfig.from_mapping,
+        lambda given: ReplicationConfig(**given),
+        lambda given: DurableConfig.from_mapping({"replication": given}),  # so DurableConfig refuses it too
+        lambda given: DurableConfig(replication=given),  # a mapping given to the constructor
+    ):
         with pytest.raises(ConfigError) as caught:
             build(settings)
         assert str(caught.value) == f"amqtt_durable config: {error}"
-    with pytest.raises(ConfigError, match="must be written as an integer"):  # so DurableConfig refuses it too
-        DurableConfig(replication=ReplicationConfig(**{**HA, "lease_ttl": 5.0}))
 
 
 def test_one_coordinator_url_given_in_code_is_a_list_of_one() -> None:
@@ -197,6 +206,64 @@ def test_a_tls_config_given_in_code_has_its_files_read(tmp_path: Path) -> None:
             build()
         assert caught.value.key == "replication.tls.cert"
         assert caught.value.problem.startswith(f"cannot load the certificate {missing!r} and its key ''")
+
+
+def test_file_paths_given_as_path_objects_are_held_as_their_text(tmp_path: Path) -> None:
+    """configuration.md: tls's cert, key, ca and secret_file take a path object as store does (refused
+    since the constructor checked them as a mapping's: "expected a file path, got PosixPath(...)")."""
+    pki = cluster_pki(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    paths = {"cert": Path(pki["node"]), "key": Path(pki["node"]), "ca": Path(pki["ca"])}
+    given = TlsConfig(**paths)  # type: ignore[arg-type]  # os.PathLike, as store's str
+    made = (
+        ReplicationConfig(role="primary", tls=given, secret_file=secret),  # type: ignore[arg-type]
+        ReplicationConfig.from_mapping({"role": "primary", "tls": given, "secret_file": secret}),
+        ReplicationConfig.from_mapping({"role": "primary", "tls": paths, "secret_file": secret}),
+    )
+    for config in made:
+        assert config.tls == TlsConfig(cert=pki["node"], key=pki["node"], ca=pki["ca"])
+        assert config.secret_file == str(secret)
+        assert config.shared_secret() == b"s" * 32
+
+
+def test_coordinator_and_allow_from_take_a_tuple_held_as_a_list() -> None:
+    """configuration.md: as streams, given in Python (refused: "expected a list of URLs, got (...)")."""
+    for build in (ReplicationConfig.from_mapping, lambda given: ReplicationConfig(**given)):
+        config = build({"name": "a", "coordinator": ("http://x:1", "http://y:2"), "allow_from": ("10.0.0.1",)})
+        assert (config.coordinator, config.allow_from) == (["http://x:1", "http://y:2"], ["10.0.0.1"])
+        assert config == ReplicationConfig.from_mapping(
+            {"name": "a", "coordinator": ["http://x:1", "http://y:2"], "allow_from": ["10.0.0.1"]}
+        )
+
+
+def test_tls_files_are_read_once_per_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encrypted key's passphrase is asked once: from_mapping read them, and the constructor it
+    called read them again. The real load_cert_chain, counted."""
+    pki = cluster_pki(tmp_path)
+    settings = {"cert": pki["node"], "ca": pki["ca"]}
+    loads: list[str] = []
+    load_cert_chain = ssl.SSLContext.load_cert_chain
+
+    def counted(context: ssl.SSLContext, *args: Any, **kwargs: Any) -> None:
+        loads.append(args[0])
+        load_cert_chain(context, *args, **kwargs)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_cert_chain", counted)
+    for build in (
+        lambda: ReplicationConfig.from_mapping({"role": "primary", "tls": settings}),
+        lambda: ReplicationConfig.from_mapping({"role": "primary", "tls": TlsConfig(**settings)}),
+        lambda: ReplicationConfig(role="primary", tls=TlsConfig(**settings)),
+        lambda: DurableConfig.from_mapping({"replication": {"role": "primary", "tls": settings}}).replication,
+        lambda: DurableConfig(replication=ReplicationConfig(role="primary", tls=TlsConfig(**settings))).replication,
+    ):
+        loads.clear()
+        config = build()
+        assert config is not None and config.tls is not None
+        assert loads == [pki["node"]]
+        loads.clear()
+        dataclasses.replace(config, ack_timeout=3)  # its TlsConfig, read already
+        assert loads == []
 
 
 def test_allow_from_takes_ipv4_and_ipv6_addresses_and_networks_and_defaults_to_any_address() -> None:

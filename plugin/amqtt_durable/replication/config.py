@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 from durable_protocol.hostport import parse_host, split_host_port
 
 from ..errors import ConfigError
-from ..settings import SCALARS, refuse_long_ints, refuse_long_key
+from ..settings import SCALARS, WrittenFloat, refuse_long_ints, refuse_long_key
 from .framing import MAX_FRAME, NAME_MAX_BYTES, name_problem
 
 Role = Literal["auto", "primary", "backup"]
@@ -74,19 +74,18 @@ class TlsConfig:
         for key, value in raw.items():
             if key not in names:
                 raise ConfigError(f"{where}.{key}", f"unknown setting; accepted settings are {', '.join(names)}")
-            if key == "check_hostname":
-                if not isinstance(value, bool):
-                    raise ConfigError(f"{where}.{key}", f"expected true or false, got {value!r}")
-            elif not isinstance(value, str) or not value or "\0" in value:
-                raise ConfigError(f"{where}.{key}", f"expected a file path, got {value!r}")
+            if key != "check_hostname":
+                values[key] = _file_path(f"{where}.{key}", value)
+            elif isinstance(value, bool):
+                values[key] = value
             else:
-                _text(f"{where}.{key}", value)
-            values[key] = value
+                raise ConfigError(f"{where}.{key}", f"expected true or false, got {value!r}")
         for key in ("cert", "ca"):
             if key not in values:
                 raise ConfigError(f"{where}.{key}", "needed with tls (mutual TLS: this node's certificate and the CA)")
         tls = cls(**values)
         tls.context(server=True, where=where)  # every file read and checked at start-up
+        object.__setattr__(tls, READ, True)  # frozen: a mark beside the fields, for _coerce
         return tls
 
     def context(self, *, server: bool, where: str = "replication.tls") -> ssl.SSLContext:
@@ -108,6 +107,22 @@ class TlsConfig:
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"{where}.ca", f"cannot load the CA certificate(s) {self.ca!r}: {exc}") from exc
         return context
+
+
+READ = "_files_read"
+"""The attribute TlsConfig.from_mapping sets on the TlsConfig it built once its files are read: that
+object, given again (ReplicationConfig.from_mapping's, checked by the constructor), is not read twice
+(a passphrase-protected key would ask twice). Not a field: equality, asdict and replace ignore it."""
+
+
+def _file_path(key: str, value: Any) -> str:
+    """A file path setting (tls cert, key, ca; secret_file) as text: a path object (``pathlib.Path``,
+    any os.PathLike, as ``store`` takes) held as its text; not empty, no NUL."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ConfigError(key, f"expected a file path, got {value!r}")
+    return _text(key, value)
 
 
 def _missing(path: str) -> bool:
@@ -246,26 +261,43 @@ class ReplicationConfig:
 
     @classmethod
     def from_mapping(cls, raw: Any, where: str = "replication") -> ReplicationConfig:
-        """Build from broker.yaml's ``replication:`` mapping, naming the first bad key
-        (``where.key``; the checks after coercion name ``replication.key``)."""
+        """Build from broker.yaml's ``replication:`` mapping, naming the first bad key (an unknown one
+        first, then in the order of the fields, as the constructor; ``where.key``, and the checks after
+        coercion name ``replication.key``)."""
         if not isinstance(raw, Mapping):
             raise ConfigError(where, f"expected a mapping of replication settings, got {raw!r}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {}
-        for key, value in raw.items():
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in raw:
             refuse_long_key(where, key)
-            if key not in fields:
-                raise ConfigError(f"{where}.{key}", f"unknown setting; accepted settings are {', '.join(fields)}")
-            refuse_long_ints(f"{where}.{key}", value)
-            values[key] = _coerce(f"{where}.{key}", value, str(fields[key].type))
-        return cls(**values)
+            if key not in names:
+                raise ConfigError(f"{where}.{key}", f"unknown setting; accepted settings are {', '.join(names)}")
+        return cls(**_coerced(raw, where))
+
+
+def _coerced(given: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The settings in ``given``, each by from_mapping's rules, in the order of the fields: from_mapping
+    and the constructor name the same first bad one, whatever the mapping's order."""
+    values: dict[str, Any] = {}
+    for item in dataclasses.fields(ReplicationConfig):
+        if item.name in given:
+            key, value = f"{where}.{item.name}", given[item.name]
+            refuse_long_ints(key, value)
+            values[item.name] = _coerce(key, value, str(item.type))
+    return values
+
+
+def _coerce_tls(key: str, value: Any) -> TlsConfig | None:
+    if isinstance(value, TlsConfig):
+        if vars(value).get(READ):  # TlsConfig.from_mapping's, its files read already
+            return value
+        # given in Python: its fields checked as a mapping's, its files read
+        value = {name: item for name, item in dataclasses.asdict(value).items() if name != "key" or item != ""}
+    return None if value is None else TlsConfig.from_mapping(value, key)
 
 
 def _coerce(key: str, value: Any, kind: str) -> Any:
     if kind == "TlsConfig | None":
-        if isinstance(value, TlsConfig):  # given in Python: its fields checked as a mapping's, its files read
-            value = {name: item for name, item in dataclasses.asdict(value).items() if name != "key" or item != ""}
-        return None if value is None else TlsConfig.from_mapping(value, key)
+        return _coerce_tls(key, value)
     if kind in ("int", "float"):
         return SCALARS[kind](key, value)  # the plugin's own rules for numbers
     if kind.startswith("list[str]"):
@@ -275,11 +307,14 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         if value in choices:
             return value
         raise ConfigError(key, f"expected one of {', '.join(choices)}, got {value!r}")
+    if key.endswith(".secret_file") and value != "":  # "": its default, no file
+        return _file_path(key, value)
     if isinstance(value, str):
         return _text(key, value)
     if key.endswith((".secret", ".secret_env")):  # never echoed: a secret YAML read as a number (pasted
-        # in place of the variable's name, for secret_env) is still the secret
-        raise ConfigError(key, f"expected text, got a value of type {type(value).__name__} (quote it in YAML)")
+        # in place of the variable's name, for secret_env) is still the secret; broker.yaml's 1.0e+400 is a float
+        kind = "float" if isinstance(value, WrittenFloat) else type(value).__name__
+        raise ConfigError(key, f"expected text, got a value of type {kind} (quote it in YAML)")
     raise ConfigError(key, f"expected text, got {value!r}")
 
 
@@ -298,6 +333,8 @@ def _text(key: str, value: str) -> str:
 
 
 def _coerce_list(key: str, value: Any, kind: str) -> list[str]:
+    if isinstance(value, tuple):  # given in Python, held as a list (as streams)
+        value = list(value)
     if kind == "list[str] | None":  # allow_from: an explicit null is refused too (it does not mean "any address")
         parse_allow_from(value, key)
         return list(value)
@@ -319,11 +356,12 @@ def _check(config: ReplicationConfig, where: str) -> None:
     def bad(key: str, problem: str) -> ConfigError:
         return ConfigError(f"{where}.{key}", problem)
 
-    for item in dataclasses.fields(config):  # a ReplicationConfig made in Python: from_mapping's rules for each
-        key, value = f"{where}.{item.name}", getattr(config, item.name)  # field (again for one from_mapping made)
-        refuse_long_ints(key, value)
-        if value is not None or item.default is not None:  # None is tls's and allow_from's default: absent
-            object.__setattr__(config, item.name, _coerce(key, value, str(item.type)))  # frozen: set as __init__ does
+    # a ReplicationConfig made in Python: from_mapping's rules for each field (again for one from_mapping made;
+    # the TlsConfig it built is not read again); None is tls's and allow_from's default: absent
+    given = {item.name: getattr(config, item.name) for item in dataclasses.fields(config)}
+    given = {name: value for name, value in given.items() if value is not None or name not in ("tls", "allow_from")}
+    for name, value in _coerced(given, where).items():
+        object.__setattr__(config, name, value)  # frozen: set as __init__ does
     _check_addresses(config, where)
     _check_roles(config, where, bad)
     _check_timing(config, bad)

@@ -43,12 +43,13 @@ class PromotionStoppedError(ReplicationError):
 
 class FrameError(ReplicationError):
     """Bytes on the replication channel do not decode (bad checksum, truncated, unknown type). It
-    says only that (``problem``): what follows is for whoever logs it to say, a backup's channel
-    (channel_ended) and a tool (the address answers no replication frame) alike."""
+    says only that: what follows is for whoever logs it to say, a backup's channel (channel_ended)
+    and a tool (the address answers no replication frame) alike. Like every replication error
+    below, its text does not begin with ``replication:``: each line that shows it names replication
+    itself (``replication: backup b: channel to ...: ended: a frame does not decode ...``)."""
 
     def __init__(self, what: str, detail: str) -> None:
-        self.problem = f"a {what} does not decode ({detail})"
-        super().__init__(f"replication: {self.problem}")
+        super().__init__(f"a {what} does not decode ({detail})")
 
 
 def channel_ended(exc: BaseException) -> str:
@@ -65,17 +66,15 @@ def channel_ended(exc: BaseException) -> str:
 class FrameMacError(ReplicationError):
     """A frame after the handshake of replication.secret failed its MAC (auth.Session): forged,
     altered, replayed or reordered on the way. Nothing in it is used; the connection is closed.
-    Not a FrameError: the frame decodes, and the text says itself what follows. ``problem`` is the
-    text without its ``replication:``, for a line that names replication itself."""
+    Not a FrameError: the frame decodes, and the text says itself what follows."""
 
     def __init__(self, number: int, sender: str) -> None:
         self.number = number
-        self.problem = (
+        super().__init__(
             f"frame {number} from {sender} failed its MAC (forged or altered on the way: only a peer that "
             "passed the handshake with the secret can send frames on this connection); the frame is not "
             "used and the connection is closed"
         )
-        super().__init__(f"replication: {self.problem}")
 
 
 class ReplicationGapError(ReplicationError):
@@ -85,7 +84,7 @@ class ReplicationGapError(ReplicationError):
         self.applied = applied
         self.received = received
         super().__init__(
-            f"replication: batch {received} received after batch {applied}: a gap. The backup applies "
+            f"batch {received} received after batch {applied}: a gap. The backup applies "
             "nothing out of order; it drops the channel and is caught up again from its applied batch"
         )
 
@@ -97,7 +96,7 @@ class StoreMismatchError(ReplicationError):
         self.expected = expected
         self.received = received
         super().__init__(
-            f"replication: batch of store {received:#x} received by a backup of store {expected:#x}; "
+            f"batch of store {received:#x} received by a backup of store {expected:#x}; "
             "the backup drops the channel and asks for a new snapshot"
         )
 

@@ -268,7 +268,7 @@ class Primary:
         """The local write of the newest prepared batch failed: its number is given again to the
         retry (whose operations may have grown), so the shipped sequence has no gap."""
         if batch.seq != self._next_seq - 1:
-            raise ReplicationError(f"replication: batch {batch.seq} withdrawn after batch {self._next_seq - 1}")
+            raise ReplicationError(f"batch {batch.seq} withdrawn after batch {self._next_seq - 1}")
         self._next_seq = batch.seq
 
     def committed(self, batch: PreparedBatch) -> asyncio.Future[None]:
@@ -556,7 +556,7 @@ class Primary:
             try:
                 hello = self._hello(link, kind, payload)
             except FrameError as exc:  # a stranger's or damage: refused as the handshake refuses, rate-limited
-                self.gate.refusal(writer, peer, exc.problem)
+                self.gate.refusal(writer, peer, str(exc))
                 ended = ""
                 return
             if hello is None:
@@ -886,7 +886,7 @@ async def first_frame(
                 await writer.start_tls(tls)
             return await server_handshake(reader, writer, secret, MAX_PEER_FRAME)
     except (AuthError, FrameError, FrameMacError) as exc:
-        gate.refusal(writer, peer, exc.problem if isinstance(exc, (FrameError, FrameMacError)) else str(exc))
+        gate.refusal(writer, peer, str(exc))
         raise
     except TimeoutError:
         what = "the handshake was not completed" if secret is not None or tls is not None else "no first frame"

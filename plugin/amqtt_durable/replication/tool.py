@@ -86,7 +86,7 @@ async def ask(
         if isinstance(exc, asyncio.IncompleteReadError):
             detail = "the connection was closed without an answer"
         elif isinstance(exc, FrameError):
-            detail = f"its answer is no replication frame: {exc.problem}"
+            detail = f"its answer is no replication frame: {exc}"
         raise ReplicationError(
             f"replication address {address}: no answer to {kind.name} ({type(exc).__name__}: {detail}); "
             "is a broker with replication listening there (its replication.listen)?"
