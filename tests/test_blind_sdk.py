@@ -330,17 +330,20 @@ def test_stream_events_update_the_cache_and_carry_log_ids(
         ("{at: 5s, kind: drop, device: all, for: 1 fortnight}", "for"),
     ],
 )
-def test_a_bad_schedule_stops_the_fleet_naming_file_fault_and_field(tmp_path: Path, fault: str, field: str) -> None:
+def test_a_bad_schedule_stops_the_fleet_naming_file_fault_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str, field: str
+) -> None:
     """fleet.md times like `500ms`, `5s`, `1m30s` or plain seconds; devices are named
     `--prefix` + an index of at least three digits (`dev-000` ...); fleet.md a bad schedule
-    ... stops the run before it starts, with exit status 2 and the file, fault number and field named."""
+    ... stops the run before it starts, with exit status 2 and the file, fault number and field named.
+    The command's main() in this process (fleet_in_process)."""
     schedule = tmp_path / "sched.yaml"
     schedule.write_text(f"faults:\n  - {{at: 1500ms, kind: drop, device: dev-001, for: 1m30s}}\n  - {fault}\n")
-    out = fleet(tmp_path, "--schedule", str(schedule), "--port", str(free_port()), "--duration", "3m")
-    text = out.stdout + out.stderr
-    assert out.returncode == 2, text
+    status, text = fleet_in_process(tmp_path, capsys, "--schedule", str(schedule), "--port", str(free_port()),
+                                    "--duration", "3m")
+    assert status == 2, text
     assert "sched.yaml" in text and "fault 2" in text and field in text, text
-    assert not (tmp_path / "fleet-out" / "logs").exists()
+    assert not (tmp_path / "out" / "logs").exists()
 
 
 def test_ready_before_connect_marker_lists_the_subscriptions(
