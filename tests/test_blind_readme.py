@@ -19,6 +19,7 @@ from pathlib import Path
 import plyvel
 import pytest
 import yaml
+from test_blind_pipeline import fleet_in_process
 
 from conftest import WAIT, Broker, Client, run_cli
 
@@ -432,13 +433,13 @@ def test_a_number_out_of_range_is_named_as_written_in_broker_yaml(tmp_path: Path
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("written", "problem"), [("0", "positive"), ("-5", "positive"), ("1e7", "below")])
 def test_fleet_rate_out_of_range_is_exit_2_naming_the_bound_it_broke_and_the_value_as_written(
-    written: str, problem: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], written: str, problem: str
 ) -> None:
     """README's `amqtt-durable fleet` ("100 msg/s"; fleet --help: "--rate RATE messages per second from
     all publishers together"); docs/fleet.md: "A bad ... option ... stops the run before it starts, with
     exit status 2". The error names what is wrong with the value (a rate of 10,000,000 is positive) and
-    the value as the user typed it."""
-    result = run_cli("fleet", "--rate", written)
-    assert result.returncode == 2, result.stderr
-    line = result.stderr.strip().splitlines()[-1]
+    the value as the user typed it. The command's main() in this process (fleet_in_process)."""
+    status, err = fleet_in_process(tmp_path, capsys, "--rate", written)
+    assert status == 2, err
+    line = err.strip().splitlines()[-1]
     assert "--rate" in line and problem in line and line.endswith(f"got {written}"), line

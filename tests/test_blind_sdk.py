@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_blind_pipeline import fleet_in_process
 
 from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, run_cli
@@ -216,18 +217,31 @@ def fleet(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return run_cli("fleet", "--out", str(tmp_path / "fleet-out"), *args, cwd=tmp_path)
 
 
-def test_fleet_refuses_broker_kill_with_ha_and_primary_kill_without(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--ha", "--faults", "broker_kill=1"], "broker_kill"),
+        (["--port", "PORT", "--faults", "primary_kill=1"], "primary_kill"),
+        (["--port", "PORT", "--faults", "partition=1"], "partition"),
+        (["--ha", "--port", "PORT"], "--port"),
+        (["--port", "PORT", "--faults", "broker_kill=1"], "broker_kill"),
+    ],
+)
+def test_fleet_refuses_broker_kill_with_ha_and_primary_kill_without(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str], named: str
+) -> None:
     """fleet.md `broker_kill` is refused with `--ha` (use primary_kill), and primary_kill
     or partition without `--ha`, each with the reason; `--ha` needs `--config` (not `--port`);
     fleet.md with `--port` no broker kills (`broker_kill` in `--faults` is refused, exit status 2);
-    fleet.md a bad option stops the run before it starts, with exit status 2."""
-    (tmp_path / "broker.yaml").write_text(Path(__file__).parent.parent.joinpath("broker.yaml").read_text())
+    fleet.md a bad option stops the run before it starts, with exit status 2. The command's main() in this
+    process (a refusal's exit status from a process of its own: test_fleet_ha_with_port_is_refused_it_needs_a_config):
+    a child interpreter importing the fleet's Spark and pandas took 2-4 s a refusal."""
+    monkeypatch.chdir(tmp_path)
     port = str(free_port())
-    for args in (["--ha", "--faults", "broker_kill=1"], ["--port", port, "--faults", "primary_kill=1"],
-                 ["--port", port, "--faults", "partition=1"], ["--ha", "--port", port],
-                 ["--port", port, "--faults", "broker_kill=1"]):
-        out = fleet(tmp_path, *args)
-        assert out.returncode == 2, (args, out.stdout, out.stderr)
+    status, err = fleet_in_process(tmp_path, capsys, *(port if arg == "PORT" else arg for arg in args))
+    assert status == 2, err
+    assert named in err, err
+    assert not (tmp_path / "out").exists(), "refused before the run"
 
 
 def test_fleet_refuses_an_out_folder_with_other_things(tmp_path: Path) -> None:
@@ -316,17 +330,20 @@ def test_stream_events_update_the_cache_and_carry_log_ids(
         ("{at: 5s, kind: drop, device: all, for: 1 fortnight}", "for"),
     ],
 )
-def test_a_bad_schedule_stops_the_fleet_naming_file_fault_and_field(tmp_path: Path, fault: str, field: str) -> None:
+def test_a_bad_schedule_stops_the_fleet_naming_file_fault_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str, field: str
+) -> None:
     """fleet.md times like `500ms`, `5s`, `1m30s` or plain seconds; devices are named
     `--prefix` + an index of at least three digits (`dev-000` ...); fleet.md a bad schedule
-    ... stops the run before it starts, with exit status 2 and the file, fault number and field named."""
+    ... stops the run before it starts, with exit status 2 and the file, fault number and field named.
+    The command's main() in this process (fleet_in_process)."""
     schedule = tmp_path / "sched.yaml"
     schedule.write_text(f"faults:\n  - {{at: 1500ms, kind: drop, device: dev-001, for: 1m30s}}\n  - {fault}\n")
-    out = fleet(tmp_path, "--schedule", str(schedule), "--port", str(free_port()), "--duration", "3m")
-    text = out.stdout + out.stderr
-    assert out.returncode == 2, text
+    status, text = fleet_in_process(tmp_path, capsys, "--schedule", str(schedule), "--port", str(free_port()),
+                                    "--duration", "3m")
+    assert status == 2, text
     assert "sched.yaml" in text and "fault 2" in text and field in text, text
-    assert not (tmp_path / "fleet-out" / "logs").exists()
+    assert not (tmp_path / "out" / "logs").exists()
 
 
 def test_ready_before_connect_marker_lists_the_subscriptions(

@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 import yaml
+from test_blind_pipeline import fleet_in_process
 
 from amqtt_durable.cli import PLUGIN_PATH
 from amqtt_durable.process import BrokerProcess, free_port, local_config, port_open
 from amqtt_durable.store import open_store
-from conftest import Broker, run_cli
+from conftest import Broker
 from durable_fleet.cli import build_parser, options_from
 from durable_fleet.errors import BrokerLostError
 from durable_fleet.ha import HaPair
@@ -234,7 +235,11 @@ def test_an_ha_pair_stop_sigkills_a_broker_that_ignores_its_sigterm_after_its_st
 
 
 def write_broker_yaml(tmp_path: Path, content: Any) -> Path:
-    path = tmp_path / "broker.yaml"
+    """``content`` as tmp_path/fleet.yaml (fleet_in_process writes the shipped broker.yaml beside it). The refusals
+    below run the command's main() in this process: a child interpreter took 1-3 s a refusal to import the
+    fleet's Spark, pandas and matplotlib, and a refusal's exit status from a process of its own is
+    test_blind_pipeline's test_fleet_ha_with_port_is_refused_it_needs_a_config."""
+    path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(content) if not isinstance(content, str) else content, encoding="utf-8")
     return path
 
@@ -253,12 +258,14 @@ def write_broker_yaml(tmp_path: Path, content: Any) -> Path:
         (["--broadcast-every", "-1"], "--broadcast-every must be 0 or more"),
     ],
 )
-def test_bad_options_exit_2_naming_the_problem(tmp_path: Path, args: list[str], message: str) -> None:
+def test_bad_options_exit_2_naming_the_problem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
     config = write_broker_yaml(tmp_path, BROKER_YAML)
     extra = [] if "--port" in args else ["-c", str(config)]
-    done = run_cli("fleet", *extra, "--out", str(tmp_path / "out"), *args)
-    assert done.returncode == 2, done.stderr
-    assert message in done.stderr
+    status, err = fleet_in_process(tmp_path, capsys, *extra, *args)
+    assert status == 2, err
+    assert message in err
 
 
 def test_a_running_broker_gets_the_default_faults_but_broker_kills() -> None:
@@ -269,28 +276,28 @@ def test_a_running_broker_gets_the_default_faults_but_broker_kills() -> None:
     assert options.config is None and options.port == 1883
 
 
-def test_an_out_folder_with_other_things_in_it_is_refused(tmp_path: Path) -> None:
+def test_an_out_folder_with_other_things_in_it_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "precious.txt").write_text("mine", encoding="utf-8")
     config = write_broker_yaml(tmp_path, BROKER_YAML)
-    done = run_cli("fleet", "-c", str(config), "--out", str(tmp_path / "out"))
-    assert done.returncode == 2
-    assert "not empty" in done.stderr
+    status, err = fleet_in_process(tmp_path, capsys, "-c", str(config))
+    assert status == 2
+    assert "not empty" in err
     assert (tmp_path / "out" / "precious.txt").read_text(encoding="utf-8") == "mine"
 
 
-def test_a_bad_broker_yaml_exits_2_naming_the_key(tmp_path: Path) -> None:
+def test_a_bad_broker_yaml_exits_2_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = {**BROKER_YAML, "plugins": {PLUGIN_PATH: {"max_depth": -1}}}
-    done = run_cli("fleet", "-c", str(write_broker_yaml(tmp_path, bad)), "--out", str(tmp_path / "out"))
-    assert done.returncode == 2
-    assert "max_depth" in done.stderr
+    status, err = fleet_in_process(tmp_path, capsys, "-c", str(write_broker_yaml(tmp_path, bad)))
+    assert status == 2
+    assert "max_depth" in err
 
 
-def test_a_bad_schedule_file_exits_2_naming_the_fault(tmp_path: Path) -> None:
+def test_a_bad_schedule_file_exits_2_naming_the_fault(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     schedule = tmp_path / "faults.yaml"
     schedule.write_text(json.dumps({"faults": [{"at": 1, "kind": "drop", "device": "dev-000", "for": 1},
                                                {"at": 2, "kind": "flood", "for": 1}]}), encoding="utf-8")
     config = write_broker_yaml(tmp_path, BROKER_YAML)
-    done = run_cli("fleet", "-c", str(config), "--schedule", str(schedule), "--out", str(tmp_path / "out"))
-    assert done.returncode == 2
-    assert "fault 2" in done.stderr and "flood" in done.stderr
+    status, err = fleet_in_process(tmp_path, capsys, "-c", str(config), "--schedule", str(schedule))
+    assert status == 2
+    assert "fault 2" in err and "flood" in err

@@ -588,7 +588,7 @@ RETAINED_PER = 2
 """Retained messages each SUBSCRIBE of a pipelining client brings (past MAX_RETAINED_ACKS in all)."""
 
 
-@pytest.mark.parametrize(("count", "qos"), [(300, 1), (4300, 1), (4300, 2)])
+@pytest.mark.parametrize(("count", "qos"), [(300, 1), (4300, 2)])
 def test_a_clean_client_pipelining_subscribes_to_retained_messages_that_it_acks_is_not_stalled(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], count: int, qos: int
 ) -> None:
@@ -605,7 +605,11 @@ def test_a_clean_client_pipelining_subscribes_to_retained_messages_that_it_acks_
     PUBRELs, 2,200 PUBREC timeouts). The acks of what is sent while the reader is paused wait for it
     to read on (2,048 SUBSCRIBEs applied), which takes more than 5 s on a busy machine: a wait ends
     unacknowledged only once the reader has read all the client sent (when it ended 5 s after the
-    write whatever the reader had read: 2,926 of 8,600 QoS 1 acks timed out at a load of 4)."""
+    write whatever the reader had read: 2,926 of 8,600 QoS 1 acks timed out at a load of 4).
+    Past the bound at QoS 2 only: the waits (retained_acks) are the same for every ack kind, and QoS 2
+    awaits two per message (PUBREC, then PUBCOMP); a QoS 1 run past it (15-54 s) failed along with the
+    QoS 2 one when ``room`` was not opened while the reader paused, and a PUBACK behind a
+    paused reader is test_an_ack_read_seconds_later_behind_a_paused_reader_is_still_taken[live-1]."""
     broker = broker_factory(drop_log_interval=3600, max_subscriptions_per_client=0)
     watcher = clients(broker.port, "watcher", clean_session=True)
     watcher.subscribe("r/#", 0)

@@ -111,6 +111,21 @@ def test_console_command_loads_neither_fleet_nor_spark_for_the_broker() -> None:
     assert not {"pyspark", "matplotlib", "paho"} & top_level(loaded["loaded"])
 
 
+def test_the_store_tools_start_without_amqtt_and_the_plugin_loads_by_its_path() -> None:
+    """inspect, repair and promote load no amqtt (0.3 s of a 0.6 s run: the suite runs them some 190 times);
+    broker.yaml's ``amqtt_durable.DurableSessionsPlugin`` still loads through amqtt's own import_string."""
+    loaded = loaded_by("import durable_fleet.console, json, sys; print(json.dumps({'loaded': sorted(sys.modules)}))")
+    assert not {"amqtt", "amqtt_durable.amqtt_glue"} & (set(loaded["loaded"]) | top_level(loaded["loaded"]))
+    code = """
+import json, amqtt_durable
+from amqtt.utils import import_string
+from amqtt_durable.amqtt_glue import DurableSessionsPlugin
+print(json.dumps({"same": import_string("amqtt_durable.DurableSessionsPlugin") is DurableSessionsPlugin
+                  is amqtt_durable.DurableSessionsPlugin, "listed": "DurableSessionsPlugin" in amqtt_durable.__all__}))
+"""
+    assert loaded_by(code) == {"same": True, "listed": True}
+
+
 def imports_of(package: str) -> set[str]:
     """First-party packages imported anywhere in a package's source (function-level imports too)."""
     found: set[str] = set()

@@ -3,7 +3,8 @@
 Load it from broker.yaml as ``amqtt_durable.DurableSessionsPlugin``.
 """
 
-from .amqtt_glue import DurableSessionsPlugin
+from typing import TYPE_CHECKING, Any
+
 from .config import DurableConfig
 from .errors import (
     ConfigError,
@@ -14,6 +15,9 @@ from .errors import (
     StoreError,
     StoreLockedError,
 )
+
+if TYPE_CHECKING:
+    from .amqtt_glue import DurableSessionsPlugin
 
 __all__ = [
     "ConfigError",
@@ -26,3 +30,13 @@ __all__ = [
     "StoreError",
     "StoreLockedError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``DurableSessionsPlugin`` (and amqtt with it) imported when first asked for, by amqtt's plugin loader or
+    ``from amqtt_durable import ...``: the store tools (inspect, repair, promote) start without amqtt."""
+    if name == "DurableSessionsPlugin":
+        from .amqtt_glue import DurableSessionsPlugin  # noqa: PLC0415
+
+        return DurableSessionsPlugin
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,6 @@ import yaml
 
 from durable_protocol import int_digits, too_many_digits
 
-from .amqtt_glue import start_broker, start_failure
 from .config import DurableConfig
 from .errors import BrokerNotStartedError, ConfigError, DurableError
 from .inspect_store import format_retained, format_table, summarize, summarize_retained
@@ -291,6 +290,9 @@ async def _shutdown_after_failed_start(broker_shutdown: Coroutine[Any, Any, None
 
 
 async def _serve(config: dict[str, Any], parent: int | None = None) -> int:
+    # amqtt loads here, not at import: inspect, repair and promote start without it (0.3 s of 0.6).
+    from .amqtt_glue import start_broker, start_failure  # noqa: PLC0415
+
     try:
         broker = await start_broker(config)
     except BrokerNotStartedError as exc:
