@@ -146,6 +146,7 @@ import math
 import ssl
 import termios
 import time
+from asyncio.sslproto import _SSLProtocolTransport
 from collections import UserDict, deque
 from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
@@ -1055,9 +1056,20 @@ async def close_socket(writer: Any) -> None:
         return
     writer.is_closed = True
     transport = writer._writer.transport
-    transport.close()
-    if transport.get_write_buffer_size():
-        asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
+    if not transport.is_closing():  # asyncio's TLS transport, closed twice, drops its SSL protocol
+        transport.close()
+    tcp = _tcp_transport(transport)
+    if tcp is not None and tcp.get_write_buffer_size():
+        asyncio.get_running_loop().call_later(CLOSE_GRACE, tcp.abort)
+
+
+def _tcp_transport(transport: Any) -> Any:
+    """The TCP transport a stream's transport writes to: itself, or on a TLS listener the one under
+    asyncio's SSL transport (None once that connection is lost). asyncio offers no public way to it
+    (CPython's ``_SSLProtocolTransport._ssl_protocol._transport``)."""
+    if not isinstance(transport, _SSLProtocolTransport):
+        return transport
+    return getattr(getattr(transport, "_ssl_protocol", None), "_transport", None)
 
 
 AMQTT_START_FAILED = "Broker instance can't be started"
@@ -1202,7 +1214,9 @@ class HandlerTransport:
         if writer is None or getattr(writer, "is_closed", False):
             return True
         if isinstance(writer, StreamWriterAdapter):
-            return bool(writer._writer.transport.is_closing())
+            transport = writer._writer.transport
+            tcp = _tcp_transport(transport)  # on TLS it is told first (its SSL transport a loop pass later)
+            return bool(transport.is_closing()) or tcp is None or bool(tcp.is_closing())
         return isinstance(writer, WebSocketsWriter) and writer._protocol.state is not WebsocketState.OPEN
 
     def write(self, data: bytes) -> None:
