@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Self
@@ -371,6 +372,24 @@ def broker_factory(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
 @pytest.fixture
 def broker(broker_factory: Callable[..., Broker]) -> Broker:
     return broker_factory()
+
+
+@pytest.fixture(scope="module")
+def shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """One broker with the default settings for the tests of a module that need nothing of their own (a
+    start costs a second; a module's parametrized cases each starting one added up): each test uses
+    client ids and topics of its own (``case_tag``), so none sees what another left behind."""
+    broker = Broker(tmp_path_factory.mktemp("shared"))
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def case_tag(request: pytest.FixtureRequest) -> str:
+    """A short name of this test, its parametrized case included (8 hex digits of its node id): client
+    ids and topics of its own on a ``shared_broker``."""
+    return f"{zlib.crc32(request.node.nodeid.encode()):08x}"
 
 
 @pytest.fixture(params=["plugin-reader", "amqtt-reader"])

@@ -117,9 +117,9 @@ def test_an_ipv6_host_is_taken_with_or_without_brackets(host: str, kept: str) ->
     ],
 )
 def test_a_bad_publish_argument_is_a_value_error_naming_it(
-    broker: Broker, sdk: Callable[..., DurableClient], args: tuple[Any, ...], named: str
+    shared_broker: Broker, sdk: Callable[..., DurableClient], case_tag: str, args: tuple[Any, ...], named: str
 ) -> None:
-    client = sdk(broker.port, "bad-publish-args", durable_session=False)
+    client = sdk(shared_broker.port, f"bad-publish-args-{case_tag}", durable_session=False)
     client.connect(timeout=5)
     with pytest.raises(ValueError, match=rf"^{named} must"):
         client.publish(*args)
@@ -127,19 +127,23 @@ def test_a_bad_publish_argument_is_a_value_error_naming_it(
 
 @pytest.mark.parametrize("topic", ["a\x00b", "$SYS/mine", "a/+/b", "a/#", "a/\ud800"])
 def test_a_topic_no_client_may_publish_to_is_refused_and_the_connection_stays_up(
-    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client], topic: str
+    shared_broker: Broker,
+    sdk: Callable[..., DurableClient],
+    clients: Callable[..., Client],
+    case_tag: str,
+    topic: str,
 ) -> None:
     """sdk.md, Bad input: publish() refuses a topic the broker would close the connection for
     (U+0000, a leading ``$``: guarantees.md) with ValueError, and sends nothing. Before, the
     message went out, the broker closed the connection, publish() raised RequestTimeout saying
     the message "is re-sent after a reconnect", and it was: each reconnect was closed again."""
-    receiver = clients(broker.port, "after-refusal", clean_session=True)
-    receiver.subscribe("fine", 1)
-    client = sdk(broker.port, "bad-topic", durable_session=False)
+    receiver = clients(shared_broker.port, f"after-refusal-{case_tag}", clean_session=True)
+    receiver.subscribe(f"fine/{case_tag}", 1)
+    client = sdk(shared_broker.port, f"bad-topic-{case_tag}", durable_session=False)
     client.connect(timeout=5)
     with pytest.raises(ValueError, match=r"publish to|broker's own"):
         client.publish(topic, b"x", qos=1, timeout=2)
-    client.publish("fine", b"still connected", qos=1, timeout=5)
+    client.publish(f"fine/{case_tag}", b"still connected", qos=1, timeout=5)
     assert [m.payload for m in receiver.wait_messages(1)] == [b"still connected"]
     assert client.connected and client.stats.reconnects == 0
 
@@ -164,12 +168,12 @@ def test_a_listener_that_is_not_callable_is_refused_at_subscribe(
 
 @pytest.mark.parametrize("bad_filter", [None, 5, "", "a/#/b", "_durable/v1/x"])
 def test_unsubscribe_refuses_what_subscribe_refuses(
-    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path, bad_filter: object
+    shared_broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path, case_tag: str, bad_filter: object
 ) -> None:
     """sdk.md, Bad input: a filter subscribe() refuses is a ValueError in unsubscribe() too
     (before: a silent no-op, that even wrote an `unsubscribe` record of it to the delivery log)."""
     log = tmp_path / "log.jsonl"
-    client = sdk(broker.port, "bad-unsubscribe", delivery_log=log)
+    client = sdk(shared_broker.port, f"bad-unsubscribe-{case_tag}", delivery_log=log)
     client.connect(timeout=5)
     with pytest.raises(ValueError, match=r"^topic_filter"):
         client.unsubscribe(bad_filter)  # type: ignore[arg-type]
