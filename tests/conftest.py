@@ -305,6 +305,19 @@ def run_cli(
     )
 
 
+def tool_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``amqtt-durable ARGS`` through its main() in this process: its exit status and stderr. For the tools
+    (inspect, repair, promote), never ``broker``; a child interpreter per refusal cost up to a second, and
+    run_cli keeps one run of each exit status from a process of its own."""
+    from amqtt_durable.cli import main  # noqa: PLC0415 - amqtt_durable.cli only for the tests that use it
+
+    try:
+        status = main(list(args))
+    except SystemExit as exc:  # argparse's usage errors
+        status = exc.code if isinstance(exc.code, int) else 2
+    return status, capsys.readouterr().err
+
+
 def payloads(count: int, prefix: str = "m") -> list[bytes]:
     return [f"{prefix}{i:07d}".encode() for i in range(count)]
 

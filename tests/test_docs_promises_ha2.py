@@ -38,7 +38,7 @@ from amqtt_durable.replication.auth import Session
 from amqtt_durable.replication.framing import Frame, Hello, encode_frame, encode_seq
 from amqtt_durable.replication.primary import Primary
 from amqtt_durable.replication.tool import ask
-from conftest import WAIT, Broker, Client, connack_code, run_cli
+from conftest import WAIT, Broker, Client, connack_code, run_cli, tool_in_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,17 +94,26 @@ def _tool_cases(folder: Path) -> list[tuple[list[str], int, str]]:
     ]
 
 
-def test_every_bad_argument_of_the_replication_tools_is_named(tmp_path: Path) -> None:
+def test_every_bad_argument_of_the_replication_tools_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`promote` and `inspect --replication`: a malformed HOST:PORT or a missing argument is a usage
     error (exit 2); a config, secret file or address that does not serve is exit 1 with one line
-    naming the option and the problem, never a traceback."""
+    naming the option and the problem, never a traceback. The first case of each exit status runs
+    the command as a process of its own, the others its main() in this process."""
+    ran: set[int] = set()
     for argv, code, words in _tool_cases(tmp_path):
-        result = run_cli(*argv)
-        assert result.returncode == code, (argv, result.stderr)
-        assert words in result.stderr, (argv, result.stderr)
-        assert "Traceback" not in result.stderr, (argv, result.stderr)
+        if code in ran:
+            status, stderr = tool_in_process(capsys, *argv)
+        else:
+            ran.add(code)
+            result = run_cli(*argv)
+            status, stderr = result.returncode, result.stderr
+        assert status == code, (argv, stderr)
+        assert words in stderr, (argv, stderr)
+        assert "Traceback" not in stderr, (argv, stderr)
         if code == 1:
-            assert result.stderr.startswith("amqtt-durable: "), (argv, result.stderr)
+            assert stderr.startswith("amqtt-durable: "), (argv, stderr)
 
 
 def _refused(tmp_path: Path, replication: Any) -> str:
