@@ -405,15 +405,31 @@ def case_tag(request: pytest.FixtureRequest) -> str:
     return f"{zlib.crc32(request.node.nodeid.encode()):08x}"
 
 
-@pytest.fixture(params=["plugin-reader", "amqtt-reader"])
-def either_reader(request: pytest.FixtureRequest, broker_factory: Callable[..., Broker]) -> Broker:
-    """A broker read by the plugin's reader, or by amqtt's own loop (a topic plugin loaded: amqtt's
-    TopicTabooPlugin, which refuses nothing used here): "the guarantees are the same there"
+READERS = ["plugin-reader", "amqtt-reader"]
+
+
+def read_by(broker: Broker, reader: str) -> Broker:
+    """``broker`` (not started) read by the plugin's reader, or by amqtt's own loop (a topic plugin loaded:
+    amqtt's TopicTabooPlugin, which refuses nothing used here): "the guarantees are the same there"
     (docs/guarantees.md)."""
-    broker = broker_factory(start=False)
-    if request.param == "amqtt-reader":
+    if reader == "amqtt-reader":
         broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
-    return broker.start()
+    return broker
+
+
+@pytest.fixture(params=READERS)
+def either_reader(request: pytest.FixtureRequest, broker_factory: Callable[..., Broker]) -> Broker:
+    """A started broker on each reader (read_by)."""
+    return read_by(broker_factory(start=False), request.param).start()
+
+
+@pytest.fixture(scope="module", params=READERS)
+def shared_reader(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """either_reader's broker once a module per reader, as shared_broker is (client ids of each test's own)."""
+    broker = read_by(Broker(tmp_path_factory.mktemp(request.param)), request.param)
+    broker.start()
+    yield broker
+    broker.stop()
 
 
 @pytest.fixture
