@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Self
@@ -304,6 +305,19 @@ def run_cli(
     )
 
 
+def tool_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``amqtt-durable ARGS`` through its main() in this process: its exit status and stderr. For the tools
+    (inspect, repair, promote), never ``broker``; a child interpreter per refusal cost up to a second, and
+    run_cli keeps one run of each exit status from a process of its own."""
+    from amqtt_durable.cli import main  # noqa: PLC0415 - amqtt_durable.cli only for the tests that use it
+
+    try:
+        status = main(list(args))
+    except SystemExit as exc:  # argparse's usage errors
+        status = exc.code if isinstance(exc.code, int) else 2
+    return status, capsys.readouterr().err
+
+
 def payloads(count: int, prefix: str = "m") -> list[bytes]:
     return [f"{prefix}{i:07d}".encode() for i in range(count)]
 
@@ -373,15 +387,49 @@ def broker(broker_factory: Callable[..., Broker]) -> Broker:
     return broker_factory()
 
 
-@pytest.fixture(params=["plugin-reader", "amqtt-reader"])
-def either_reader(request: pytest.FixtureRequest, broker_factory: Callable[..., Broker]) -> Broker:
-    """A broker read by the plugin's reader, or by amqtt's own loop (a topic plugin loaded: amqtt's
-    TopicTabooPlugin, which refuses nothing used here): "the guarantees are the same there"
+@pytest.fixture(scope="module")
+def shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """One broker with the default settings for the tests of a module that need nothing of their own (a
+    start costs a second; a module's parametrized cases each starting one added up): each test uses
+    client ids and topics of its own (``case_tag``), so none sees what another left behind."""
+    broker = Broker(tmp_path_factory.mktemp("shared"))
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def case_tag(request: pytest.FixtureRequest) -> str:
+    """A short name of this test, its parametrized case included (8 hex digits of its node id): client
+    ids and topics of its own on a ``shared_broker``."""
+    return f"{zlib.crc32(request.node.nodeid.encode()):08x}"
+
+
+READERS = ["plugin-reader", "amqtt-reader"]
+
+
+def read_by(broker: Broker, reader: str) -> Broker:
+    """``broker`` (not started) read by the plugin's reader, or by amqtt's own loop (a topic plugin loaded:
+    amqtt's TopicTabooPlugin, which refuses nothing used here): "the guarantees are the same there"
     (docs/guarantees.md)."""
-    broker = broker_factory(start=False)
-    if request.param == "amqtt-reader":
+    if reader == "amqtt-reader":
         broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
-    return broker.start()
+    return broker
+
+
+@pytest.fixture(params=READERS)
+def either_reader(request: pytest.FixtureRequest, broker_factory: Callable[..., Broker]) -> Broker:
+    """A started broker on each reader (read_by)."""
+    return read_by(broker_factory(start=False), request.param).start()
+
+
+@pytest.fixture(scope="module", params=READERS)
+def shared_reader(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """either_reader's broker once a module per reader, as shared_broker is (client ids of each test's own)."""
+    broker = read_by(Broker(tmp_path_factory.mktemp(request.param)), request.param)
+    broker.start()
+    yield broker
+    broker.stop()
 
 
 @pytest.fixture

@@ -167,16 +167,16 @@ def test_default_subscription_limit_is_1000(broker: Broker, clients: Callable[..
     "will_topic", [b"$SYS/x", b"", b"w/+", b"w/#", b"w/\x00"], ids=["dollar", "empty", "plus", "hash", "nul"]
 )
 def test_a_connect_with_an_invalid_will_topic_is_closed_without_connack(
-    either_reader: Broker, will_topic: bytes
+    shared_reader: Broker, case_tag: str, will_topic: bytes
 ) -> None:
     """docs/guarantees.md: "A CONNECT whose will topic is empty, holds `+`, `#` or U+0000, or
     starts with `$` ... is refused: the connection is closed without a CONNACK"."""
-    broker = either_reader
+    broker = shared_reader
     sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
     with sock:
-        sock.sendall(connect_packet("will-bad", clean=False, will_topic=will_topic))
+        sock.sendall(connect_packet(f"will-bad-{case_tag}", clean=False, will_topic=will_topic))
         assert read_all(sock) == b""
-    probe = raw_connect(broker.port, "will-bad", clean=False)  # nothing of the refused CONNECT was kept
+    probe = raw_connect(broker.port, f"will-bad-{case_tag}", clean=False)  # nothing of the refused CONNECT was kept
     with probe:
         pass
 

@@ -365,23 +365,23 @@ def test_a_store_folder_holding_other_files_or_leveldb_files_without_current_is_
     ids=["surrogate", "overlong-nul", "cut-short", "past-u10ffff"],
 )
 def test_a_publish_whose_topic_is_not_strict_utf8_closes_the_connection_unanswered_on_either_reader(
-    either_reader: Broker, clients: Callable[..., Client], topic: bytes
+    shared_reader: Broker, clients: Callable[..., Client], case_tag: str, topic: bytes
 ) -> None:
     """guarantees.md: "A PUBLISH to a topic no client may publish to closes the connection, at any QoS
     and on either reader ..., before anything is stored, routed or acknowledged (no PUBACK / PUBREC):
     ... bytes that are not valid UTF-8 ... A WARNING names the client and the problem." A UTF-16
     surrogate, an overlong NUL, a character cut short and one past U+10FFFF are not valid UTF-8. A
     topic of valid 4-byte characters and a BOM is routed and delivered byte for byte."""
-    broker = either_reader
-    watcher = clients(broker.port, "utf-watch")
+    broker = shared_reader
+    watcher = clients(broker.port, f"utf-watch-{case_tag}")
     assert watcher.subscribe("t/#", 1) == [1]
-    with raw_connect(broker.port, "utf-bad", clean=True) as sock:
+    with raw_connect(broker.port, f"utf-bad-{case_tag}", clean=True) as sock:
         sock.sendall(mqtt_packet(0x32, len(topic).to_bytes(2, "big") + topic + b"\x00\x07bad"))
         assert read_all(sock) == b"", "closed with no PUBACK"
-    line = [ln for ln in wait_for_log(broker, "utf-bad") if "UTF-8" in ln]
+    line = [ln for ln in wait_for_log(broker, f"utf-bad-{case_tag}") if "UTF-8" in ln]
     assert line and " WARNING " in line[0], broker.log()[-2000:]
     good = "t/😀\ufeff温"
-    clients(broker.port, "utf-good", clean_session=True).publish(good, [b"ok"], qos=1)
+    clients(broker.port, f"utf-good-{case_tag}", clean_session=True).publish(good, [b"ok"], qos=1)
     assert watcher.wait_for(lambda ms: len(ms) >= 1)
     assert [(m.topic, m.payload) for m in watcher.messages] == [(good, b"ok")], "only the valid topic was routed"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,6 +38,24 @@ def broker_reading_on(broker_factory: Callable[..., Broker], path: str) -> Broke
     broker = broker_factory(start=False)
     broker.extra_plugins.update(PATHS[path])
     return broker.start()
+
+
+@pytest.fixture(scope="module")
+def reading_on(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Broker]]:
+    """broker_reading_on's broker per path, started when a test of this module first asks for it and
+    shared by the next ones (each with client ids of its own, ``case_tag``)."""
+    started: dict[str, Broker] = {}
+
+    def get(path: str) -> Broker:
+        if path not in started:
+            started[path] = Broker(tmp_path_factory.mktemp(path))
+            started[path].extra_plugins.update(PATHS[path])
+            started[path].start()
+        return started[path]
+
+    yield get
+    for broker in started.values():
+        broker.stop()
 
 
 def test_a_durable_connect_without_a_client_id_is_refused_with_connack_2(broker: Broker) -> None:
@@ -113,8 +131,10 @@ def test_an_invalid_topic_filter_gets_0x80_and_the_others_in_the_subscribe_are_g
     ids=["subscribe-no-filter", "subscribe-qos-3", "unsubscribe-no-filter"],
 )
 def test_a_subscribe_without_a_filter_or_asking_qos_3_closes_the_connection(
-    broker_factory: Callable[..., Broker],
+    reading_on: Callable[[str], Broker],
     clients: Callable[..., Client],
+    *,
+    case_tag: str,
     clean: bool,
     path: str,
     packet: tuple[int, bytes],
@@ -124,17 +144,17 @@ def test_a_subscribe_without_a_filter_or_asking_qos_3_closes_the_connection(
     filter (MQTT-3.10.3-2), are protocol violations: the connection is closed with no SUBACK /
     UNSUBACK, nothing granted, on either reader, with a WARNING naming the client. (amqtt answered
     the first with an empty SUBACK, the second with 0x80 for QoS 3, the third with an UNSUBACK.)"""
-    broker = broker_reading_on(broker_factory, path)
-    sock = raw_connect(broker.port, f"bad-sub-{clean}", clean=clean)
+    broker = reading_on(path)
+    sock = raw_connect(broker.port, f"bad-sub-{case_tag}", clean=clean)
     first, payload = packet
     sock.sendall(mqtt_packet(first, b"\x00\x03" + payload))
     assert read_until_closed(sock, WAIT) == b"", "closed, and no SUBACK"
     sock.close()
     kind = "UNSUBSCRIBE" if first == 0xA2 else "SUBSCRIBE"
-    assert f"closing the connection of bad-sub-{clean}: {kind} refused" in broker.log()
+    assert f"closing the connection of bad-sub-{case_tag}: {kind} refused" in broker.log()
     if not clean:
-        again = clients(broker.port, f"bad-sub-{clean}")
-        clients(broker.port, "pub", clean_session=True).publish("ok/1", [b"x"], qos=1)
+        again = clients(broker.port, f"bad-sub-{case_tag}")
+        clients(broker.port, f"pub-{case_tag}", clean_session=True).publish("ok/1", [b"x"], qos=1)
         assert not again.wait_for(lambda ms: len(ms) > 0, timeout=0.5), "nothing was granted"
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from replication_helpers import primary_store
+from test_docs_promises_ha2 import settings_refusal
 from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, ha_pair, node, start, static_pair, wait_status
 
 from amqtt_durable.config import DurableConfig
@@ -135,20 +135,11 @@ def test_bad_replication_settings_stop_the_broker_at_start_up_naming_the_key(
 ) -> None:
     """Settings: checked at start-up like every other setting (configuration.md: exit code 2,
     the key named): lease_ttl at least 2, loop_wait at most (lease_ttl - demote_margin) / 2, role
-    auto needs a coordinator, name needed with one, a fixed-role backup needs primary."""
-    config = tmp_path / "broker.yaml"
-    plugin = {"store": str(tmp_path / "store"), "replication": replication}
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "listeners": {"default": {"type": "tcp", "bind": f"{HOST}:0"}},
-                "plugins": {"amqtt_durable.DurableSessionsPlugin": plugin},
-            }
-        )
-    )
-    refused = run_cli("broker", "-c", str(config))
-    assert refused.returncode == 2, refused.stderr
-    assert f"replication.{key}" in refused.stderr and problem in refused.stderr, refused.stderr
+    auto needs a coordinator, name needed with one, a fixed-role backup needs primary. The broker
+    command's check (settings_refusal) in this process; its exit code 2 is run for real in
+    test_docs_promises_ha2."""
+    refusal = settings_refusal(tmp_path, replication)
+    assert f"replication.{key}" in refusal and problem in refusal, refusal
 
 
 def test_a_backups_refusals_leave_no_warning_in_its_log(

@@ -55,12 +55,12 @@ def next_reply(client: Client, topic: str, payload: bytes) -> dict[str, Any]:
 
 @pytest.mark.parametrize("version", [True, 1.0, 1.5, None], ids=["true", "1.0", "1.5", "null"])
 def test_a_v_that_is_not_the_integer_1_is_unsupported_version(
-    broker: Broker, clients: Callable[..., Client], version: object
+    shared_broker: Broker, clients: Callable[..., Client], case_tag: str, version: object
 ) -> None:
     """protocol.md, Requests: "`v` (required): the protocol version, 1. A request without it, or
     with any other value, is refused with `unsupported_version`". JSON `true` and `1.0` are other
     values (a Python `==` took them for 1: `req` is already refused as `1.0` or `true`)."""
-    client = clients(broker.port, "proto-version")
+    client = clients(shared_broker.port, f"proto-version-{case_tag}")
     reply = next_reply(client, "_durable/v1/ctl", json.dumps({"v": version, "op": "ready", "req": 5}).encode())
     assert (reply["ok"], reply["error"]["code"], reply["op"], reply["req"]) == (
         False,
@@ -82,13 +82,19 @@ def test_a_v_that_is_not_the_integer_1_is_unsupported_version(
     ids=["readable", "unknown-op", "req-not-integer", "not-json"],
 )
 def test_a_request_on_another_control_topic_echoes_what_could_be_read(
-    broker: Broker, clients: Callable[..., Client], payload: bytes, op: str | None, req: int | None
+    shared_broker: Broker,
+    clients: Callable[..., Client],
+    *,
+    case_tag: str,
+    payload: bytes,
+    op: str | None,
+    req: int | None,
 ) -> None:
     """protocol.md: "A PUBLISH under `_durable/` other than `_durable/v1/ctl` gets the error
     `unknown_topic`", and Replies: only a request too large, not a JSON object, or whose `req` is
     not an integer is answered with `op` and `req` null; "otherwise a refusal echoes `req`, and
     `op` when it names a known op". The request is refused whole: the session stays."""
-    client = clients(broker.port, "proto-topic")
+    client = clients(shared_broker.port, f"proto-topic-{case_tag}")
     reply = next_reply(client, "_durable/v1/other", payload)
     assert (reply["ok"], reply["error"]["code"], reply["op"], reply["req"]) == (False, "unknown_topic", op, req), reply
     hello = next_reply(client, "_durable/v1/ctl", b'{"v": 1, "op": "hello", "req": 1}')

@@ -54,15 +54,16 @@ def raw_request(client: Client, payload: bytes) -> dict[str, Any]:
     ],
 )
 def test_a_request_without_v_or_op_is_refused_as_the_protocol_page_says(
-    broker: Broker,
+    shared_broker: Broker,
     clients: Callable[..., Client],
+    case_tag: str,
     case: tuple[dict[str, Any], str, str | None, int | None],
 ) -> None:
     """protocol.md, Requests and Replies: `v` missing or not 1 is `unsupported_version`, `op`
     missing or unknown is `unknown_op`, a missing field the op needs is `malformed`; the
     refusal echoes `req` and a known `op`, both null when `req` is not an integer."""
     request_fields, code, op, req = case
-    client = clients(broker.port, "proto-refusals")
+    client = clients(shared_broker.port, f"proto-refusals-{case_tag}")
     reply = raw_request(client, json.dumps(request_fields).encode())
     assert reply["ok"] is False and reply["error"]["code"] == code, reply
     assert (reply["op"], reply["req"]) == (op, req), reply
@@ -117,18 +118,18 @@ def test_a_cache_entry_has_value_seq_epoch_published_at_and_state(
 
 @pytest.mark.parametrize("bad_filter", ["a/#/b", "a/b#", "a+/b", "a/\x00", "a/\ud800"])
 def test_an_invalid_filter_is_refused_before_connect_and_connect_still_works(
-    broker: Broker, sdk: Callable[..., DurableClient], bad_filter: str
+    shared_broker: Broker, sdk: Callable[..., DurableClient], case_tag: str, bad_filter: str
 ) -> None:
     """sdk.md, Subscriptions: subscriptions may be made before connect(). An invalid filter is
     refused there at once with ValueError, as when connected, and the client connects as usual
     (before, it was accepted and connect() failed after its timeout: paho raised on the network
     thread while sending the SUBSCRIBE)."""
-    client = sdk(broker.port, "early-bad-filter")
+    client = sdk(shared_broker.port, f"early-bad-filter-{case_tag}")
     with pytest.raises(ValueError, match="not a valid MQTT topic filter"):
         client.subscribe(bad_filter)
     with pytest.raises(ValueError, match="not a valid MQTT topic filter"):
         client.subscribe_stream(bad_filter, lambda _event: None)
-    client.subscribe("fine/#")
+    client.subscribe(f"fine/{case_tag}/#")
     client.connect(timeout=5)
     assert client.connected
     with pytest.raises(ValueError, match="not a valid MQTT topic filter"):

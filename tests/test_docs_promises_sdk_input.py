@@ -117,9 +117,9 @@ def test_an_ipv6_host_is_taken_with_or_without_brackets(host: str, kept: str) ->
     ],
 )
 def test_a_bad_publish_argument_is_a_value_error_naming_it(
-    broker: Broker, sdk: Callable[..., DurableClient], args: tuple[Any, ...], named: str
+    shared_broker: Broker, sdk: Callable[..., DurableClient], case_tag: str, args: tuple[Any, ...], named: str
 ) -> None:
-    client = sdk(broker.port, "bad-publish-args", durable_session=False)
+    client = sdk(shared_broker.port, f"bad-publish-args-{case_tag}", durable_session=False)
     client.connect(timeout=5)
     with pytest.raises(ValueError, match=rf"^{named} must"):
         client.publish(*args)
@@ -127,29 +127,33 @@ def test_a_bad_publish_argument_is_a_value_error_naming_it(
 
 @pytest.mark.parametrize("topic", ["a\x00b", "$SYS/mine", "a/+/b", "a/#", "a/\ud800"])
 def test_a_topic_no_client_may_publish_to_is_refused_and_the_connection_stays_up(
-    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client], topic: str
+    shared_broker: Broker,
+    sdk: Callable[..., DurableClient],
+    clients: Callable[..., Client],
+    case_tag: str,
+    topic: str,
 ) -> None:
     """sdk.md, Bad input: publish() refuses a topic the broker would close the connection for
     (U+0000, a leading ``$``: guarantees.md) with ValueError, and sends nothing. Before, the
     message went out, the broker closed the connection, publish() raised RequestTimeout saying
     the message "is re-sent after a reconnect", and it was: each reconnect was closed again."""
-    receiver = clients(broker.port, "after-refusal", clean_session=True)
-    receiver.subscribe("fine", 1)
-    client = sdk(broker.port, "bad-topic", durable_session=False)
+    receiver = clients(shared_broker.port, f"after-refusal-{case_tag}", clean_session=True)
+    receiver.subscribe(f"fine/{case_tag}", 1)
+    client = sdk(shared_broker.port, f"bad-topic-{case_tag}", durable_session=False)
     client.connect(timeout=5)
     with pytest.raises(ValueError, match=r"publish to|broker's own"):
         client.publish(topic, b"x", qos=1, timeout=2)
-    client.publish("fine", b"still connected", qos=1, timeout=5)
+    client.publish(f"fine/{case_tag}", b"still connected", qos=1, timeout=5)
     assert [m.payload for m in receiver.wait_messages(1)] == [b"still connected"]
     assert client.connected and client.stats.reconnects == 0
 
 
 def test_a_listener_that_is_not_callable_is_refused_at_subscribe(
-    broker: Broker, sdk: Callable[..., DurableClient]
+    shared_broker: Broker, sdk: Callable[..., DurableClient]
 ) -> None:
     """sdk.md, Bad input: a listener must be a function. Before, ``listener=5`` was registered, its
     every event "raised", and the client reconnected for ever to get the event again."""
-    client = sdk(broker.port, "bad-listener")
+    client = sdk(shared_broker.port, "bad-listener")
     with pytest.raises(ValueError, match=r"^listener must"):
         client.subscribe("t", listener=5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^listener must"):
@@ -164,12 +168,12 @@ def test_a_listener_that_is_not_callable_is_refused_at_subscribe(
 
 @pytest.mark.parametrize("bad_filter", [None, 5, "", "a/#/b", "_durable/v1/x"])
 def test_unsubscribe_refuses_what_subscribe_refuses(
-    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path, bad_filter: object
+    shared_broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path, case_tag: str, bad_filter: object
 ) -> None:
     """sdk.md, Bad input: a filter subscribe() refuses is a ValueError in unsubscribe() too
     (before: a silent no-op, that even wrote an `unsubscribe` record of it to the delivery log)."""
     log = tmp_path / "log.jsonl"
-    client = sdk(broker.port, "bad-unsubscribe", delivery_log=log)
+    client = sdk(shared_broker.port, f"bad-unsubscribe-{case_tag}", delivery_log=log)
     client.connect(timeout=5)
     with pytest.raises(ValueError, match=r"^topic_filter"):
         client.unsubscribe(bad_filter)  # type: ignore[arg-type]
@@ -178,23 +182,23 @@ def test_unsubscribe_refuses_what_subscribe_refuses(
 
 
 def test_failover_takes_two_item_lists_as_json_or_yaml_give_them(
-    broker: Broker, sdk: Callable[..., DurableClient]
+    shared_broker: Broker, sdk: Callable[..., DurableClient]
 ) -> None:
     """sdk.md, failover: (host, port) pairs, tuples or two-item lists (a list read from JSON or
     YAML). The first address is dead; the client moves on to the broker in the list."""
     recorder = Recorder()
-    client = sdk(free_port(), "failover-list", failover=[[HOST, broker.port]])
+    client = sdk(free_port(), "failover-list", failover=[[HOST, shared_broker.port]])
     client.subscribe("fo/t", listener=recorder)
     client.connect(timeout=10)
-    assert client.port == broker.port
+    assert client.port == shared_broker.port
     client.ready_for_events()
     client.publish("fo/t", b"via the list", qos=1)
     assert [e.payload for e in recorder.wait(1)] == [b"via the list"]
 
 
-def test_the_async_client_refuses_a_bad_topic_without_touching_the_connection(broker: Broker) -> None:
+def test_the_async_client_refuses_a_bad_topic_without_touching_the_connection(shared_broker: Broker) -> None:
     async def main() -> None:
-        async with AsyncDurableClient("async-bad-topic", port=broker.port, durable_session=False) as client:
+        async with AsyncDurableClient("async-bad-topic", port=shared_broker.port, durable_session=False) as client:
             with pytest.raises(ValueError, match="broker's own"):
                 await client.publish("$SYS/x", b"x")
             await client.publish("fine", b"y")
@@ -244,18 +248,18 @@ def test_the_marker_carries_epoch_replayed_first_and_last_seq_and_the_live_subsc
 
 
 def test_cpl2_marks_live_under_state_dir_in_a_folder_named_by_the_percent_encoded_client_id(
-    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path
+    shared_broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path
 ) -> None:
     """sdk.md, CPL-2: the marks are kept under `state_dir/<client_id>/`, the id percent-encoded
     where it is not a safe file name; a second client on the same folder is a PersistenceError."""
     state = tmp_path / "state"
-    plain = sdk(broker.port, "plain-id", persistence="disk", state_dir=state)
-    odd = sdk(broker.port, "site/a b", persistence="disk", state_dir=state)
+    plain = sdk(shared_broker.port, "plain-id", persistence="disk", state_dir=state)
+    odd = sdk(shared_broker.port, "site/a b", persistence="disk", state_dir=state)
     plain.connect()
     odd.connect()
     assert sorted(p.name for p in state.iterdir()) == ["plain-id", "site%2Fa%20b"]
     with pytest.raises(PersistenceError, match="in use"):
-        DurableClient("plain-id", port=broker.port, persistence="disk", state_dir=state)
+        DurableClient("plain-id", port=shared_broker.port, persistence="disk", state_dir=state)
 
 
 def test_subscribe_stream_after_an_id_replays_from_the_next_id_and_a_reconnect_resumes_after_the_last_processed(
@@ -325,7 +329,7 @@ def test_across_a_broker_restart_the_callbacks_fire_publish_is_unconnected_and_t
 
 
 def test_a_qos2_subscription_of_an_sdk_session_is_made_at_qos1_and_its_events_come_once(
-    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+    shared_broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
 ) -> None:
     """sdk.md: QoS 2 subscriptions of an SDK session are made at QoS 1 (dedup gives exactly-once)."""
     markers: list[Marker] = []
@@ -336,13 +340,13 @@ def test_a_qos2_subscription_of_an_sdk_session_is_made_at_qos1_and_its_events_co
         markers.append(marker)
         live.set()
 
-    device = sdk(broker.port, "q2-device", on_live=on_live)
+    device = sdk(shared_broker.port, "q2-device", on_live=on_live)
     device.subscribe("q2/t", qos=2, listener=recorder)
     device.connect()
     device.ready_for_events()
     assert live.wait(WAIT)
     assert [(s.filter, s.qos) for s in markers[0].live] == [("q2/t", 1)]
-    clients(broker.port, "q2-pub", clean_session=True).publish("q2/t", payloads(5), qos=2)
+    clients(shared_broker.port, "q2-pub", clean_session=True).publish("q2/t", payloads(5), qos=2)
     events = recorder.wait(5)
     assert [(e.payload, e.qos) for e in events] == [(p, 1) for p in payloads(5)]
 
@@ -478,11 +482,11 @@ def test_a_wrong_type_argument_is_a_type_error_too_payload_and_after_included() 
                 call()
 
 
-def test_inputs_that_worked_before_the_checks_still_work(broker: Broker, clients: Callable[..., Client]) -> None:
+def test_inputs_that_worked_before_the_checks_still_work(shared_broker: Broker, clients: Callable[..., Client]) -> None:
     """Review 128: the checks refused what worked before them. An MQTT password is binary data
     (bytes, NUL and all); whole numbers may be numpy integers, seconds any real number (a numpy
     float, a Fraction), ``failover`` any iterable (a generator)."""
-    receiver = clients(broker.port, "worked-before-rx", clean_session=True)
+    receiver = clients(shared_broker.port, "worked-before-rx", clean_session=True)
     receiver.subscribe("wb/#", 1)
     client = DurableClient(
         "worked-before",
@@ -493,11 +497,11 @@ def test_inputs_that_worked_before_the_checks_still_work(broker: Broker, clients
         session_expiry=numpy.int64(60),
         reconnect_min_delay=Fraction(1, 20),
         reconnect_max_delay=numpy.float64(0.5),
-        failover=((HOST, numpy.int64(port)) for port in [broker.port]),
+        failover=((HOST, numpy.int64(port)) for port in [shared_broker.port]),
     )
     try:
         client.connect(timeout=numpy.float64(10))
-        assert client.port == broker.port
+        assert client.port == shared_broker.port
         client.publish("wb/a", b"1", qos=numpy.int8(1), timeout=Fraction(5))
         client.subscribe("wb/b", qos=numpy.uint8(1), timeout=numpy.float32(5))
         assert [m.payload for m in receiver.wait_messages(1)] == [b"1"]
@@ -509,12 +513,12 @@ def test_inputs_that_worked_before_the_checks_still_work(broker: Broker, clients
 
 
 def test_a_timeout_too_long_for_a_wait_is_refused_before_anything_starts(
-    broker: Broker, sdk: Callable[..., DurableClient]
+    shared_broker: Broker, sdk: Callable[..., DurableClient]
 ) -> None:
     """sdk.md, Bad input: a timeout above threading.TIMEOUT_MAX is refused. Before, connect(timeout=1e10)
     passed the check, started the network thread and then raised OverflowError; a second connect()
     said it "was called already"."""
-    client = sdk(broker.port, "huge-timeout", durable_session=False)
+    client = sdk(shared_broker.port, "huge-timeout", durable_session=False)
     for caught in (ValueError,):
         with pytest.raises(caught, match=r"^timeout must be a finite number of seconds, more than 0 and at most"):
             client.connect(timeout=1e10)
@@ -530,14 +534,14 @@ def test_a_timeout_too_long_for_a_wait_is_refused_before_anything_starts(
 
 
 def test_the_async_client_checks_keep_session_before_closing_anything(
-    broker: Broker, clients: Callable[..., Client]
+    shared_broker: Broker, clients: Callable[..., Client]
 ) -> None:
     """Review 128: AsyncDurableClient.close(keep_session=0) closed its event queue before the check
     raised, so the client went on connected but its ``async for`` got nothing more."""
-    publisher = clients(broker.port, "ks-pub", clean_session=True)
+    publisher = clients(shared_broker.port, "ks-pub", clean_session=True)
 
     async def main() -> None:
-        async with AsyncDurableClient("async-keep-session", port=broker.port) as client:
+        async with AsyncDurableClient("async-keep-session", port=shared_broker.port) as client:
             await client.subscribe("ks/#")
             await client.ready_for_events()
             with pytest.raises(ValueError, match=r"^keep_session must be True or False"):
