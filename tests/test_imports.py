@@ -124,6 +124,8 @@ print(json.dumps({"same": import_string("amqtt_durable.DurableSessionsPlugin") i
                   is amqtt_durable.DurableSessionsPlugin, "listed": "DurableSessionsPlugin" in amqtt_durable.__all__}))
 """
     assert loaded_by(code) == {"same": True, "listed": True}
+    unloaded = "import json, amqtt_durable; print(json.dumps({'dir': 'DurableSessionsPlugin' in dir(amqtt_durable)}))"
+    assert loaded_by(unloaded) == {"dir": True}  # listed before it is loaded
 
 
 def imports_of(package: str) -> set[str]:
