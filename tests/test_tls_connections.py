@@ -26,6 +26,7 @@ from test_hostile_attacks9 import (
 from test_hostile_door_limits import tls_broker
 from test_hostile_wire import PINGREQ, publish_packet, wait_until
 
+from amqtt_durable.amqtt_glue import CLOSE_GRACE
 from conftest import HOST, WAIT, Broker, mqtt_string
 
 TLS_IDLE = "Listener 'tls': 0/"
@@ -113,3 +114,39 @@ def test_a_take_over_of_a_lost_tls_connection_still_applying_its_subscribes_gets
     again.close()
     pub.close()
     assert_no_error_logged(broker)
+
+
+def tcp_state(local_port: int, remote_port: int) -> str | None:
+    """The kernel's state (hex, as /proc/net/tcp has it) of the 127.0.0.1 socket from ``local_port``
+    to ``remote_port``, or None once it is gone."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = (int(address.split(":")[1], 16) for address in fields[1:3])
+        if (local, remote) == (local_port, remote_port):
+            return fields[3]
+    return None
+
+
+ESTABLISHED = "01"
+
+
+def test_a_taken_over_tls_connection_whose_client_reads_nothing_is_aborted_after_close_grace(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """A client over TLS that reads nothing of a `#` over 4 MB of retained messages is taken over:
+    the broker closes the old connection and, its bytes still unsent after CLOSE_GRACE, aborts the TCP
+    connection under TLS (the TLS transport alone would wait for its client's close_notify for
+    asyncio's 30 s TLS shutdown timeout, and for the unsent bytes before that)."""
+    broker, port, context = tls_broker(broker_factory, tmp_path)
+    pub = raw_connect(broker.port, "pub", clean=True, keepalive=0)
+    publish_all(pub, [f"r/{i}" for i in range(4000)], retain=True, payload=bytes(1024))
+    sock = small_window_client(port, "unread", context, clean=True, keepalive=0)
+    sock.sendall(subscribe(1, "#", qos=0))
+    read_packet(sock)  # its SUBACK; the retained messages back up in the broker
+    brokers_end = (port, sock.getsockname()[1])
+    assert tcp_state(*brokers_end) == ESTABLISHED
+    again = raw_connect(broker.port, "unread", clean=True, keepalive=0)  # the take-over
+    assert wait_until(lambda: tcp_state(*brokers_end) != ESTABLISHED, CLOSE_GRACE + WAIT), tcp_state(*brokers_end)
+    again.close()
+    sock.close()
+    pub.close()
