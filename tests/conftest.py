@@ -311,11 +311,17 @@ def tool_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int
     run_cli keeps one run of each exit status from a process of its own."""
     from amqtt_durable.cli import main  # noqa: PLC0415 - amqtt_durable.cli only for the tests that use it
 
+    return exit_status(lambda: main(list(args))), capsys.readouterr().err
+
+
+def exit_status(run: Callable[[], int | None]) -> int:
+    """The status a process running ``run`` as its main() would exit with: its return value, or a
+    SystemExit's (argparse's usage errors: 2) as the interpreter takes it (None 0, a message 1)."""
     try:
-        status = main(list(args))
-    except SystemExit as exc:  # argparse's usage errors
-        status = exc.code if isinstance(exc.code, int) else 2
-    return status, capsys.readouterr().err
+        status = run()
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return status or 0
 
 
 def payloads(count: int, prefix: str = "m") -> list[bytes]:

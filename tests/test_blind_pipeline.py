@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from fleet_helpers import processes_in, signal_fleet_when
 
-from conftest import WAIT, Broker, Client, run_cli
+from conftest import WAIT, Broker, Client, exit_status, run_cli
 from durable_client import DurableClient, Event
 
 PIPELINE = str(Path(sys.executable).with_name("durable-pipeline"))
@@ -625,11 +625,7 @@ def fleet_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: 
     (tmp_path / "broker.yaml").write_text(
         (Path(__file__).parent.parent / "broker.yaml").read_text(encoding="utf-8"), encoding="utf-8"
     )
-    try:
-        status = main(["fleet", *args, "--out", str(tmp_path / "out")])
-    except SystemExit as exc:  # argparse's refusals
-        status = exc.code if isinstance(exc.code, int) else 2
-    return status, capsys.readouterr().err
+    return exit_status(lambda: main(["fleet", *args, "--out", str(tmp_path / "out")])), capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
