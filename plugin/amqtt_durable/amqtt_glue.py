@@ -1246,7 +1246,8 @@ class HandlerTransport:
     @property
     def congested(self) -> bool:
         """More is unsent to the client than its socket's write buffer limit (asyncio's high-water
-        mark, 64 KiB): it does not read as fast as it is written to, and ``drain`` would wait."""
+        mark: 64 KiB on TCP; on TLS the SSL transport's own, 512 KiB, the TCP buffer under it not
+        counted): it does not read as fast as it is written to, and ``drain`` would wait."""
         writer = self._handler.writer
         if isinstance(writer, StreamWriterAdapter):
             transport = writer._writer.transport
